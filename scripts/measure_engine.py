@@ -1,0 +1,80 @@
+"""Engine costs and 16-bit agreement, for the numbers quoted in the README.
+
+    .venv/bin/python scripts/measure_engine.py costs
+    .venv/bin/python scripts/measure_engine.py agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import racer
+from racer.data import load_questions
+from racer.engine import encode_prompt
+from racer.verify import TreeVerifier, random_tree
+
+
+def costs(threads: int) -> None:
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    rng = np.random.default_rng(0)
+    verifier = TreeVerifier(model)
+    for size in (16, 64):
+        tree = random_tree(rng, model.config.vocab_size, size, 8)
+        verifier.prefill(rng.integers(1000, size=300).tolist())
+        mask_us, commit_us = [], []
+        for _ in range(50):
+            t = time.perf_counter()
+            verifier.tree_mask(tree)
+            mask_us.append((time.perf_counter() - t) * 1e6)
+            verifier.verify(tree)
+            path = tree.path_to(len(tree) - 1)  # a path that is not a prefix: a real copy
+            t = time.perf_counter()
+            verifier.commit(path, len(tree))
+            commit_us.append((time.perf_counter() - t) * 1e6)
+        print(f"tree {size} nodes, cache ~300: mask {statistics.median(mask_us):.0f} us, "
+              f"compaction (path of {len(path)}) {statistics.median(commit_us):.0f} us (medians of 50)")
+
+
+def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    model, tok = racer.load_model(dtype=dtype)
+    questions = load_questions("spec_bench", 1) + load_questions("human_eval", 5) + load_questions("mgsm", 5)
+    decoders = {m: racer.Decoder(model, tok, m) for m in methods}
+    flips = {m: [] for m in methods}
+    for q in questions:
+        ids = encode_prompt(tok, [{"role": "user", "content": q.prompt}], chat=True)
+        t = torch.tensor([ids])
+        with torch.inference_mode():
+            ref = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=tokens,
+                                 top_p=None, top_k=None, temperature=None)[0, len(ids):].tolist()
+        for m, d in decoders.items():
+            out = d.generate(ids, max_new_tokens=tokens).tokens
+            first = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+            if first is None and len(out) != len(ref):
+                first = min(len(out), len(ref))
+            flips[m].append(first)
+    print(f"{dtype}, {len(questions)} prompts, {tokens} new tokens, against HF generate in {dtype}:")
+    for m, firsts in flips.items():
+        diverged = [f for f in firsts if f is not None]
+        where = f"; first differing token at {sorted(diverged)}" if diverged else ""
+        print(f"  {m}: identical on {len(firsts) - len(diverged)}/{len(firsts)} prompts{where}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("what", choices=["costs", "agreement"])
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--methods", default="none,pld,racer:capacity=16")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    a = parser.parse_args()
+    if a.what == "costs":
+        costs(a.threads)
+    else:
+        agreement(a.dtype, a.methods.split(","), a.tokens, a.threads)

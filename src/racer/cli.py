@@ -1,0 +1,201 @@
+"""Command line: ``racer generate``, ``racer methods``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+# Spinning OpenMP workers steal the only other core on small machines; must be set
+# before torch starts its thread pool.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def default_threads() -> int:
+    """The cores not already busy: all of them on an idle machine, fewer under load
+    (two threads contending with another process on two cores collapse badly)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        busy = round(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, min(cores, cores - busy))
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model id or local folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: where the model loads)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="CPU threads for torch (default: free cores; with OMP_WAIT_POLICY=PASSIVE)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="racer", description="Lossless speculative decoding for Hugging Face causal LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate an answer, streaming it")
+    gen.add_argument("prompt", help="the user message (chat template applied unless --raw)")
+    gen.add_argument("--method", default="racer",
+                     help="draft method with options, e.g. racer, racer:capacity=16, pld (see 'racer methods')")
+    gen.add_argument("--max-new-tokens", type=_positive, default=256)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, no chat template")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain greedy decoding; print the speedup and whether outputs are identical")
+    _add_model_args(gen)
+
+    sub.add_parser("methods", help="list draft methods and their options")
+
+    bench = sub.add_parser("bench", help="compare methods side by side on benchmark prompts")
+    bench.add_argument("--methods", default="ar,hf,pld,racer",
+                       help="comma-separated: ar, hf, hf-pld and draft methods with options (default: ar,hf,pld,racer)")
+    bench.add_argument("--datasets", default="spec_bench,human_eval,mgsm",
+                       help="comma-separated: spec_bench, human_eval, mgsm or JSONL paths; NAME:N takes N per category")
+    bench.add_argument("--limit", type=_positive, default=None, help="first N prompts of each category")
+    bench.add_argument("--max-new-tokens", type=_positive, default=256)
+    bench.add_argument("--baseline", default="ar", help="method the speedups are relative to (default: ar)")
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method on a prompt of its own (default: 1)")
+    bench.add_argument("--seed", type=int, default=0, help="torch seed (greedy decoding uses none)")
+    bench.add_argument("--json", default=None, help="write every per-prompt record and the summary here")
+    bench.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    bench.add_argument("--report", nargs="+", default=None,
+                       help="re-render tables/plots from saved JSON files (merged); runs nothing")
+    _add_model_args(bench)
+    return parser
+
+
+def _setup_torch(threads: int | None) -> int:
+    import torch
+
+    n = threads or default_threads()
+    torch.set_num_threads(n)
+    return n
+
+
+def _cmd_methods() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from racer.drafters import METHODS, method_options
+
+    table = Table("method", "what it does", "options (defaults)")
+    for name, (_, summary) in METHODS.items():
+        opts = ", ".join(f"{k}={v}" for k, v in method_options(name).items())
+        table.add_row(name, summary, opts or "-")
+    Console().print(table)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from transformers.utils import logging as hf_logging
+
+    from racer.drafters import make_drafter
+    from racer.engine import Decoder, GenerationResult
+    from racer.loading import load_model
+
+    err = Console(stderr=True)
+    drafter = make_drafter(args.method)  # fail on a bad method before loading anything
+    threads = _setup_torch(args.threads)
+    hf_logging.disable_progress_bar()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    decoder = Decoder(model, tokenizer, drafter)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw)
+    # Warm-up (not reported) with plain decoding, so no drafter memory sees the prompt early.
+    Decoder(model, tokenizer, "none", check=False).generate(args.prompt, **{**kwargs, "max_new_tokens": 4})
+
+    result = GenerationResult(tokens=[], text="", prompt_tokens=0)
+    for piece in decoder.stream(args.prompt, result=result, **kwargs):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    err.print(f"[bold]{args.method}[/]: {len(result.tokens)} tokens, {result.passes} passes, "
+              f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
+    if args.compare:
+        plain = Decoder(model, tokenizer, "none").generate(args.prompt, **kwargs)
+        same = plain.tokens == result.tokens
+        speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
+        err.print(f"[bold]plain greedy[/]: {len(plain.tokens)} tokens, {plain.tokens_per_s:.1f} tokens/s")
+        err.print(f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
+                  + ("[green]yes[/]" if same else "[red]NO[/]"))
+        if not same:
+            return 1
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from racer import bench
+
+    # Piped or captured output gets the whole table rather than one folded to 80 columns.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    if args.report:
+        result = bench.merge([bench.load(path) for path in args.report])
+    else:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if args.warmup < 0:
+            raise ValueError(f"warmup: expected 0 or more prompts, got {args.warmup}")
+        from racer.drafters import make_drafter
+
+        for spec in methods:  # fail on a bad method before loading anything
+            if spec not in ("ar",) + bench.HF_METHODS:
+                make_drafter(spec)
+        questions = bench.iter_questions([d.strip() for d in args.datasets.split(",") if d.strip()], args.limit)
+        threads = _setup_torch(args.threads)
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        from racer.loading import load_model
+
+        hf_logging.disable_progress_bar()
+        torch.manual_seed(args.seed)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
+        with Progress(*columns, console=console, transient=True) as bar:
+            task = bar.add_task("prompts x methods", total=len(questions) * len(methods))
+            result = bench.run_bench(model, tokenizer, methods, questions, max_new_tokens=args.max_new_tokens,
+                                     baseline=args.baseline, warmup=args.warmup, threads=threads,
+                                     progress=lambda spec: bar.update(task, advance=1, description=spec))
+        result.settings.update(datasets=args.datasets, limit=args.limit, dtype=args.dtype, seed=args.seed,
+                               model=args.model or "SmolLM2-135M-Instruct")
+        if args.json:
+            bench.save(result, args.json)
+    bench.render_tables(result, console)
+    if args.plots:
+        for path in bench.write_plots(result, args.plots):
+            console.print(f"wrote {path}")
+    if args.json and not args.report:
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "methods":
+            return _cmd_methods()
+        if args.command == "bench":
+            return _cmd_bench(args)
+        return _cmd_generate(args)
+    except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
+        print(f"racer: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

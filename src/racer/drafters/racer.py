@@ -1,0 +1,145 @@
+"""RACER: retrieval (seen patterns) first, then the copy-logit Logits Tree (unseen
+continuations) in the capacity left, merged into one draft tree."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from racer.drafters.base import Drafter
+from racer.drafters.logits_tree import LOGITS_SOURCE, CopyLogitTable, expand
+from racer.drafters.retrieval import RetrievalTree
+from racer.tree import DraftTree, TreeBuilder
+
+RETRIEVAL_SOURCE = 1
+
+_CHOICES = {
+    "sources": ("both", "retrieval", "logits"),
+    "logits": ("copy", "last"),
+    "update": ("all", "accepted"),
+    "memory": ("kept", "fresh"),
+}
+
+
+class RacerDrafter(Drafter):
+    """Options (reference behaviour as defaults):
+
+    - ``n``: n-gram length of the Retrieval Tree (10); ``nodes``: its node capacity (10,000)
+    - ``k``: copy-logit row width and root breadth (8); ``capacity``: draft nodes, root included (64)
+    - ``min_border``: shortest suffix match that retrieval uses (2)
+    - ``chain``: draft a single path instead of a tree
+    - ``sources``: both | retrieval | logits (the paper's ablation)
+    - ``logits``: copy (row of the token's last occurrence) | last (reuse the last step's logits)
+    - ``update``: all verified nodes write the table | accepted nodes only
+    - ``memory``: kept across requests | fresh per request
+    """
+
+    name = "racer"
+    wants_prompt_topk = True
+
+    def __init__(self, capacity: int = 64, n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2,
+                 chain: bool = False, sources: str = "both", logits: str = "copy", update: str = "all",
+                 memory: str = "kept") -> None:
+        for option, value in (("sources", sources), ("logits", logits), ("update", update), ("memory", memory)):
+            if value not in _CHOICES[option]:
+                raise ValueError(f"racer: {option}: expected one of {', '.join(_CHOICES[option])}, got {value!r}")
+        if capacity < 1:
+            raise ValueError(f"racer: capacity: expected at least 1 node, got {capacity}")
+        if min_border < 1:
+            raise ValueError(f"racer: min_border: expected at least 1, got {min_border}")
+        self.options = dict(capacity=capacity, n=n, nodes=nodes, k=k, min_border=min_border, chain=bool(chain),
+                            sources=sources, logits=logits, update=update, memory=memory)
+        self.capacity, self.n, self.nodes, self.k = capacity, n, nodes, k
+        self.min_border, self.chain = min_border, bool(chain)
+        self.use_retrieval = sources in ("both", "retrieval")
+        self.use_logits = sources in ("both", "logits")
+        self.last_logit, self.accepted_only, self.fresh = logits == "last", update == "accepted", memory == "fresh"
+        self.topk = k + 1 if self.last_logit else k
+        self.wants_prompt_topk = self.use_logits
+        if not self.use_logits:
+            self.topk = 0
+        self.retrieval = RetrievalTree(n, nodes)
+        self.table = CopyLogitTable(k)
+        self._last_row: tuple[int, ...] = ()
+        self._context: list[int] = []
+        # This request's accepted draft tokens: by rank (1-based) in the parent's
+        # copy-logit row (0: not in the row), and by source.
+        self.accepted_ranks: Counter[int] = Counter()
+        self.accepted_by_source: Counter[int] = Counter()
+
+    def describe(self) -> dict:
+        return {"method": self.name, **self.options}
+
+    # -- request lifecycle -------------------------------------------------------------
+    def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
+        self.accepted_ranks, self.accepted_by_source = Counter(), Counter()
+        if self.fresh:
+            self.retrieval = RetrievalTree(self.n, self.nodes)
+            self.table = CopyLogitTable(self.k)
+        self._context = [int(t) for t in prompt]
+        if self.use_retrieval:
+            self.retrieval.start(self._context)
+        if prompt_topk is not None:
+            self.table.write(self._context, prompt_topk)
+            self._last_row = tuple(prompt_topk[-1].tolist())
+
+    def _candidates(self, token: int) -> tuple[int, ...]:
+        # last-logit: every node reuses the last step's logits; their rank 1 is the
+        # root itself, so ranks 2.. are the guesses for what follows.
+        return self._last_row[1:] if self.last_logit else self.table.row(token)
+
+    def draft(self, root: int, budget: int) -> DraftTree:
+        capacity = min(self.capacity, budget)
+        builder = TreeBuilder(root, capacity)
+        if self.use_retrieval and capacity > 1:
+            paths = self.retrieval.retrieve(root, capacity - 1, self.min_border)
+            if self.chain:  # the deepest of the most frequent continuations
+                paths = [max(paths, key=len)] if paths else []
+            for path in paths:
+                builder.add_path(path, RETRIEVAL_SOURCE)
+        left = capacity - len(builder)
+        if self.use_logits and left > 0:
+            if self.chain:
+                node = len(builder) - 1 if len(builder) > 1 else 0
+                while left > 0:
+                    row = self._candidates(builder.tokens[node])
+                    if not row:
+                        break
+                    node = builder.add_child(node, row[0], LOGITS_SOURCE)
+                    left -= 1
+            else:
+                expand(builder, self._candidates, self.k, left)
+        return builder.build()
+
+    def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
+        for node in accepted[1:]:
+            row = self._candidates(tree.tokens[tree.parents[node]])
+            token = tree.tokens[node]
+            self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
+            self.accepted_by_source[tree.sources[node] if tree.sources else 0] += 1
+        if tree_topk is not None:
+            if self.accepted_only:
+                self.table.write([tree.tokens[i] for i in accepted], tree_topk[list(accepted)])
+            else:
+                self.table.write(tree.tokens, tree_topk)
+            self._last_row = tuple(tree_topk[accepted[-1]].tolist())
+        ctx = self._context
+        for i in accepted:
+            ctx.append(tree.tokens[i])
+            if self.use_retrieval:
+                self.retrieval.extend(ctx)
+        if len(ctx) > 4 * self.n:  # only the last n tokens are ever needed
+            del ctx[: len(ctx) - self.n]
+
+    def request_stats(self) -> dict:
+        return {"accepted_rank": {str(r): c for r, c in sorted(self.accepted_ranks.items())},
+                "accepted_source": {("retrieval" if s == RETRIEVAL_SOURCE else "logits"): c
+                                    for s, c in sorted(self.accepted_by_source.items())},
+                "retrieval_nodes": self.retrieval.live}
+
+    def copy_logit_rank1_share(self) -> float:
+        """Share of accepted draft tokens that were rank 1 in their copy-logit row."""
+        total = sum(self.accepted_ranks.values())
+        return self.accepted_ranks[1] / total if total else 0.0

@@ -1,0 +1,260 @@
+"""RACER's Retrieval Tree: an Aho–Corasick automaton over the context's n-grams with a
+fixed node capacity and LRU eviction of leaves.
+
+Invariants kept at every moment (the property tests check them against brute force):
+- every node's failure link is the node of the longest proper suffix of its string
+  that is in the trie (links are updated as nodes are added and recycled);
+- the matching state is the node of the longest suffix of the context in the trie;
+- a node is never less recently used than any of its descendants, so the LRU tail is
+  always a leaf, and only leaves are evicted.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+ROOT = 0
+_FREE = -2  # parent value of a recycled slot
+
+
+class RetrievalTree:
+    def __init__(self, n: int = 10, capacity: int = 10_000) -> None:
+        if n < 2:
+            raise ValueError(f"n: expected an n-gram length of at least 2, got {n}")
+        if capacity < n + 1:
+            raise ValueError(f"nodes: expected a node capacity of at least n + 1 = {n + 1}, got {capacity}")
+        self.n = n
+        self.capacity = capacity
+        self.token = [-1]
+        self.parent = [-1]
+        self.depth = [0]
+        self.freq = [0]
+        self.children: list[dict[int, int]] = [{}]
+        self.fail = [ROOT]
+        self.fail_in: list[set[int]] = [set()]  # reverse failure links
+        # LRU as a doubly linked list over slots; slot 0 (root) doubles as sentinel.
+        # _next[ROOT] is the most recent node, _prev[ROOT] the least recent.
+        self._prev = [ROOT]
+        self._next = [ROOT]
+        self._free: list[int] = []
+        self.by_token: dict[int, set[int]] = {}  # live nodes carrying each token
+        self.live = 1
+        self.state = ROOT
+        self.evictions = 0
+
+    # -- LRU --------------------------------------------------------------------------
+    def _unlink(self, node: int) -> None:
+        p, q = self._prev[node], self._next[node]
+        self._next[p] = q
+        self._prev[q] = p
+
+    def _push_front(self, node: int) -> None:
+        head = self._next[ROOT]
+        self._prev[node], self._next[node] = ROOT, head
+        self._prev[head] = node
+        self._next[ROOT] = node
+
+    def _touch_one(self, node: int) -> None:
+        if node != ROOT:
+            self._unlink(node)
+            self._push_front(node)
+
+    def touch(self, node: int) -> None:
+        """Mark ``node`` used; its ancestors become at least as recent as it."""
+        while node != ROOT:
+            self._touch_one(node)
+            node = self.parent[node]
+
+    def lru_order(self) -> list[int]:
+        """Live non-root nodes, least recently used first."""
+        order, node = [], self._prev[ROOT]
+        while node != ROOT:
+            order.append(node)
+            node = self._prev[node]
+        return order
+
+    # -- nodes ------------------------------------------------------------------------
+    def _evict_lru(self) -> None:
+        victim = self._prev[ROOT]
+        assert victim != ROOT and not self.children[victim], "LRU tail must be a leaf"
+        self._unlink(victim)
+        del self.children[self.parent[victim]][self.token[victim]]
+        self.by_token[self.token[victim]].discard(victim)
+        target = self.fail[victim]
+        self.fail_in[target].discard(victim)
+        # Nodes whose longest suffix was the victim fall back to the victim's own.
+        for node in self.fail_in[victim]:
+            self.fail[node] = target
+            self.fail_in[target].add(node)
+        self.fail_in[victim] = set()
+        if self.state == victim:
+            self.state = target
+        self.parent[victim] = _FREE
+        self.children[victim] = {}
+        self._free.append(victim)
+        self.live -= 1
+        self.evictions += 1
+
+    def _suffix_of(self, longer: int, shorter: int) -> bool:
+        """Whether the string of ``shorter`` is a suffix of the string of ``longer``."""
+        while shorter != ROOT:
+            if self.token[longer] != self.token[shorter]:
+                return False
+            longer, shorter = self.parent[longer], self.parent[shorter]
+        return True
+
+    def _new_node(self, parent: int, token: int) -> int:
+        if self.live >= self.capacity:
+            self._evict_lru()
+        if self._free:
+            node = self._free.pop()
+            self.token[node], self.parent[node] = token, parent
+            self.depth[node], self.freq[node] = self.depth[parent] + 1, 0
+            self._prev[node] = self._next[node] = ROOT
+        else:
+            node = len(self.token)
+            self.token.append(token)
+            self.parent.append(parent)
+            self.depth.append(self.depth[parent] + 1)
+            self.freq.append(0)
+            self.children.append({})
+            self.fail.append(ROOT)
+            self.fail_in.append(set())
+            self._prev.append(ROOT)
+            self._next.append(ROOT)
+        self.children[parent][token] = node
+        self.live += 1
+        self._push_front(node)
+        # Its own failure link: the first node down the parent's failure chain that
+        # has a child for this token.
+        link = ROOT
+        if parent != ROOT:
+            f = self.fail[parent]
+            while True:
+                child = self.children[f].get(token)
+                if child is not None:
+                    link = child
+                    break
+                if f == ROOT:
+                    break
+                f = self.fail[f]
+        self.fail[node] = link
+        self.fail_in[link].add(node)
+        # Existing nodes whose string ends with this one's, and whose link was shorter,
+        # now link here. They carry the same token, so only those are examined.
+        same = self.by_token.setdefault(token, set())
+        d = self.depth[node]
+        for other in same:
+            if self.depth[other] > d and self.depth[self.fail[other]] < d and self._suffix_of(other, node):
+                self.fail_in[self.fail[other]].discard(other)
+                self.fail[other] = node
+                self.fail_in[node].add(other)
+        same.add(node)
+        return node
+
+    def insert(self, window: Sequence[int]) -> int:
+        """Insert one n-gram (or shorter) window, counting ``freq`` along its path;
+        returns the window's node."""
+        node = ROOT
+        for token in window:
+            child = self.children[node].get(token)
+            if child is None:
+                child = self._new_node(node, token)
+            else:
+                self._touch_one(child)  # keep the path safe from eviction while descending
+            self.freq[child] += 1
+            node = child
+        self.touch(node)  # deepest first, then ancestors: ancestors end most recent
+        return node
+
+    def extend(self, context: Sequence[int]) -> None:
+        """The context grew by its last token: insert the n-gram ending there and move
+        the matching state. Once that window is in the trie it is the longest suffix
+        of the context there (nothing is deeper than n), so the state is its node;
+        a context shorter than n moves by goto/failure transitions."""
+        if len(context) >= self.n:
+            self.state = self.insert(context[-self.n :])
+        else:
+            self.advance(context[-1])
+
+    def start(self, context: Sequence[int]) -> None:
+        """A new context (a prompt): insert all its full windows, set the state."""
+        n = self.n
+        for end in range(n, len(context) + 1):
+            self.state = self.insert(context[end - n : end])
+        if len(context) < n:
+            self.reset_state(context)
+
+    # -- matching -----------------------------------------------------------------------
+    def goto(self, state: int, token: int) -> int:
+        while True:
+            child = self.children[state].get(token)
+            if child is not None:
+                return child
+            if state == ROOT:
+                return ROOT
+            state = self.fail[state]
+
+    def advance(self, token: int) -> None:
+        self.state = self.goto(self.state, token)
+        self.touch(self.state)
+
+    def reset_state(self, context_tail: Iterable[int]) -> None:
+        """Match from scratch over the last tokens of a context."""
+        self.state = ROOT
+        for token in context_tail:
+            self.advance(token)
+
+    def borders(self, root: int, min_depth: int = 2) -> list[int]:
+        """Nodes for every suffix of context + ``root`` in the trie with at least
+        ``min_depth`` tokens, longest first."""
+        found = []
+        state = self.state
+        while True:
+            child = self.children[state].get(root)
+            if child is not None and self.depth[child] >= min_depth:
+                found.append(child)
+            if state == ROOT:
+                return found
+            state = self.fail[state]
+
+    def retrieve(self, root: int, limit: int, min_depth: int = 2) -> list[list[int]]:
+        """Up to ``limit`` continuations (token paths after ``root``) from all border
+        subtrees, the most frequent nodes first; ties go to the shallower."""
+        return [path for _, path in self.retrieve_scored(root, limit, min_depth)]
+
+    def retrieve_scored(self, root: int, limit: int, min_depth: int = 2) -> list[tuple[int, list[int]]]:
+        """``retrieve`` with each path's end-node ``freq``."""
+        if limit <= 0:
+            return []
+        frontier = [(b, ()) for b in self.borders(root, min_depth)]
+        chosen: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-freq, depth, order, path)
+        order = 0
+        while frontier:
+            level = []
+            for node, path in frontier:
+                for token, child in self.children[node].items():
+                    level.append((-self.freq[child], len(path) + 1, order, path + (token,), child))
+                    order += 1
+            if not level:
+                break
+            level.sort()
+            merged = sorted(chosen + [entry[:4] for entry in level])[:limit]
+            kept = {entry[2] for entry in merged}
+            added = [(child, path) for (_, _, o, path, child) in level if o in kept]
+            chosen = merged
+            if not added:  # freq never grows down a path: nothing deeper can enter
+                break
+            frontier = added
+        return [(-neg_freq, list(path)) for (neg_freq, _, _, path) in sorted(chosen)]
+
+    # -- introspection for tests ----------------------------------------------------------
+    def string(self, node: int) -> tuple[int, ...]:
+        out = []
+        while node != ROOT:
+            out.append(self.token[node])
+            node = self.parent[node]
+        return tuple(reversed(out))
+
+    def live_nodes(self) -> list[int]:
+        return [i for i in range(1, len(self.token)) if self.parent[i] != _FREE]

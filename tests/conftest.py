@@ -1,0 +1,65 @@
+"""Shared fixtures: the real embedded model (loaded once per test process), a tiny
+random Llama for fast structural tests, and the lossless prompt set."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may reach a hub
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+
+from racer.data import Question, load_questions
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one core per worker; two threads each would contend
+
+LOSSLESS_NEW_TOKENS = 128
+
+
+def lossless_questions() -> list[Question]:
+    """At least 2 per Spec-Bench category, 5 of HumanEval and 5 of MGSM."""
+    return (load_questions("spec_bench", limit=2) + load_questions("human_eval", limit=5)
+            + load_questions("mgsm", limit=5))
+
+
+@pytest.fixture(scope="session")
+def real():
+    """(model, tokenizer): the embedded SmolLM2-135M-Instruct in float32."""
+    from racer import load_model
+
+    return load_model(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def real_bf16():
+    from racer import load_model
+
+    return load_model(dtype="bfloat16")
+
+
+def make_tiny_llama(attn: str = "sdpa", seed: int = 0, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                         attn_implementation=attn)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+@pytest.fixture(scope="session", params=["sdpa", "eager"])
+def tiny(request):
+    return make_tiny_llama(request.param)
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: Hugging Face generate, greedy."""
+    tensor = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
+                             max_new_tokens=max_new_tokens, num_beams=1, top_p=None, top_k=None,
+                             temperature=None)
+    return out[0, len(ids):].tolist()

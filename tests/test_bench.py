@@ -1,0 +1,71 @@
+"""racer bench: summaries recomputed from records, identical counts, outputs."""
+
+import json
+
+import pytest
+
+from racer import bench
+from racer.bench import Record, summarize
+from racer.cli import main
+
+
+def rec(method, qid, tokens, wall, steps, category="c"):
+    return Record(method, {"method": method}, "d", category, str(qid), len(tokens), steps, [0] * steps,
+                  [1] * steps, wall, 0.0, wall, tokens)
+
+
+def test_summary_figures_by_hand():
+    records = [rec("ar", 1, [1, 2, 3, 4], 4.0, 3), rec("ar", 2, [5, 6], 2.0, 1),
+               rec("x", 1, [1, 2, 3, 4], 1.0, 1), rec("x", 2, [5, 7], 2.0, 0)]
+    for r in records:
+        ref = next(b for b in records if b.method == "ar" and b.question_id == r.question_id)
+        r.identical = r.tokens == ref.tokens
+    rows = {s.method: s for s in summarize(records, "ar")}
+    x = rows["x"]
+    assert x.n == 2 and x.identical == 1
+    assert x.mat == pytest.approx(6 / (2 + 1))          # tokens / passes (steps + 1 each)
+    assert x.speedup == pytest.approx((4 + 2) / (1 + 2))  # summed walls
+    assert x.median_speedup == pytest.approx((4.0 + 1.0) / 2)
+    assert x.ms_per_token == pytest.approx(1000 * 3 / 6)
+    assert rows["ar"].speedup == 1.0 and rows["ar"].mat == 1.0
+
+
+def test_bad_bench_arguments(real):
+    model, tok = real
+    with pytest.raises(ValueError, match="baseline"):
+        bench.run_bench(model, tok, ["pld"], [], baseline="ar")
+    assert main(["bench", "--methods", "ar,nope"]) == 2
+    assert main(["bench", "--report", "/nonexistent.json"]) == 2
+
+
+def test_short_real_run_writes_table_json_and_plots(real, tmp_path, monkeypatch, capsys):
+    original = bench._Runner.run
+
+    def broken(self, ids, max_new_tokens):  # a deliberately wrong method
+        tokens, stats = original(self, ids, max_new_tokens)
+        if self.spec.startswith("racer"):
+            tokens = tokens[:-1] + [tokens[-1] + 1]
+        return tokens, stats
+
+    monkeypatch.setattr(bench._Runner, "run", broken)
+    out = tmp_path / "r.json"
+    plots = tmp_path / "plots"
+    assert main(["bench", "--methods", "ar,racer:capacity=8,racer:capacity=16", "--datasets", "human_eval",
+                 "--limit", "2", "--max-new-tokens", "32", "--warmup", "0", "--threads", "1",
+                 "--json", str(out), "--plots", str(plots)]) == 0
+    printed = capsys.readouterr().out
+    assert "racer:capacity=8" in printed and "0/2" in printed and "2/2" in printed
+    data = json.loads(out.read_text())
+    assert len(data["records"]) == 6 and data["machine"]["threads"] == 1
+    result = bench.BenchResult.from_json(data)
+    recomputed = [s.__dict__ for s in summarize(result.records, "ar")]
+    assert recomputed == data["summary"]
+    for r in data["records"]:
+        assert r["new_tokens"] == 32 == len(r["tokens"])
+        if r["method"] != "ar":
+            assert r["identical"] is False and len(r["accepted"]) == r["steps"] == len(r["tree_sizes"])
+    names = sorted(p.name for p in plots.iterdir())
+    assert names == ["accepted_hist.png", "mat_vs_capacity_racer.png", "speedup.png"]
+    # --report re-renders without running anything.
+    assert main(["bench", "--report", str(out)]) == 0
+    assert "racer:capacity=16" in capsys.readouterr().out

@@ -1,0 +1,40 @@
+"""The command line: errors are one clear line, methods are listed, generate runs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from racer.cli import main
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["generate", "hi", "--method", "nope"], "method"),
+    (["generate", "hi", "--dtype", "int4"], "dtype"),
+    (["generate", "hi", "--method", "racer:capacity=0"], "capacity"),
+])
+def test_bad_arguments_give_one_clear_line(argv, pattern, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert pattern in err and "Traceback" not in err
+
+
+def test_non_positive_token_limit_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "racer.cli", "generate", "hi", "--max-new-tokens", "0"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "max-new-tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_methods_lists_every_method(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("none", "pld", "racer"):
+        assert name in out
+
+
+def test_generate_with_compare_reports_identical_output(real, capsys):
+    assert main(["generate", "Count from 1 to 12.", "--max-new-tokens", "24", "--compare", "--threads", "1",
+                 "--method", "racer:capacity=16"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip()
+    assert "speedup" in captured.err and "identical: yes" in captured.err and "MAT" in captured.err

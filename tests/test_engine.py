@@ -1,0 +1,117 @@
+"""The decoding loop: limits, stops, streaming, statistics and bad input."""
+
+import numpy as np
+import pytest
+
+from racer.drafters import Drafter, make_drafter
+from racer.engine import Decoder, GenerationResult
+from racer.tree import TreeBuilder
+
+PROMPT = "List the numbers from one to twenty, separated by commas."
+
+
+class RepeatDrafter(Drafter):
+    """A test drafter that proposes a fixed branching tree, to exercise acceptance
+    through branches and multi-token steps."""
+
+    name = "repeat"
+    topk = 4
+
+    def __init__(self):
+        self.seen = []
+
+    def begin(self, prompt, prompt_topk):
+        self.last_topk = None
+
+    def draft(self, root, budget):
+        b = TreeBuilder(root, min(budget, 12))
+        if self.last_topk is not None:
+            # top-2 guesses for the next token, then their top-1 chains.
+            for rank in range(2):
+                b.add_path([int(self.last_topk[rank]), int(self.last_topk[0])])
+        b.add_path([root, root])
+        return b.build()
+
+    def observe(self, tree, tree_topk, accepted):
+        assert tree_topk.shape == (len(tree), 4)
+        self.seen.append(len(accepted))
+        self.last_topk = tree_topk[accepted[-1]]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 33])
+def test_never_emits_past_max_new_tokens(real, limit):
+    model, tok = real
+    for method in ["none", "pld", RepeatDrafter()]:
+        result = Decoder(model, tok, method).generate(PROMPT, chat=True, max_new_tokens=limit)
+        assert len(result.tokens) == limit and result.stop_reason == "length"
+
+
+def test_branching_drafter_is_lossless_and_accepts_multiple_tokens(real):
+    model, tok = real
+    plain = Decoder(model, tok, "none").generate(PROMPT, chat=True, max_new_tokens=60)
+    drafter = RepeatDrafter()
+    result = Decoder(model, tok, drafter).generate(PROMPT, chat=True, max_new_tokens=60)
+    assert result.tokens == plain.tokens
+    assert max(drafter.seen) > 1
+    assert sum(s.accepted + 1 for s in result.steps) + 1 >= len(result.tokens)
+
+
+def test_stop_string_cuts_right_after_the_completing_token(real):
+    model, tok = real
+    plain = Decoder(model, tok, "none").generate(PROMPT, chat=True, max_new_tokens=60)
+    assert "5" in plain.text
+    for method in ["none", "pld"]:
+        result = Decoder(model, tok, method).generate(PROMPT, chat=True, max_new_tokens=60, stop=["5"])
+        assert result.stop_reason == "stop"
+        assert result.tokens == plain.tokens[: len(result.tokens)]
+        assert "5" in result.text and "5" not in tok.decode(result.tokens[:-1])
+
+
+def test_stream_yields_the_same_text_and_fills_statistics(real):
+    model, tok = real
+    decoder = Decoder(model, tok, "pld")
+    result = GenerationResult(tokens=[], text="", prompt_tokens=0)
+    pieces = list(decoder.stream(PROMPT, chat=True, max_new_tokens=40, result=result))
+    assert "".join(pieces) == result.text and len(pieces) > 1
+    assert result.passes == 1 + len(result.steps)
+    assert result.mat == pytest.approx(len(result.tokens) / result.passes)
+    assert all(s.tree_size >= 1 and s.verify_s > 0 and s.draft_s >= 0 for s in result.steps)
+
+
+def test_mat_of_plain_decoding_is_one(real):
+    model, tok = real
+    result = Decoder(model, tok, "none").generate(PROMPT, chat=True, max_new_tokens=10)
+    assert result.mat == 1.0 and len(result.steps) == 9
+
+
+def test_stops_when_the_context_window_is_full(tiny):
+    result = Decoder(tiny, None, "none").generate(list(range(1, 90)), max_new_tokens=50)
+    assert result.stop_reason == "context" and 89 + len(result.tokens) == 96
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=PROMPT, max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt=PROMPT, max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompt=PROMPT, stop=[""]), "stop"),
+    (dict(prompt=3.5), "prompt"),
+])
+def test_bad_input_names_the_argument(real, kwargs, pattern):
+    model, tok = real
+    with pytest.raises(ValueError, match=pattern):
+        Decoder(model, tok, "none").generate(**kwargs)
+
+
+def test_prompt_longer_than_the_context_window(real):
+    model, tok = real
+    too_long = [100] * model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="context window"):
+        Decoder(model, tok, "none").generate(too_long, max_new_tokens=1)
+
+
+@pytest.mark.parametrize("spec, pattern", [("nope", "method"), ("pld:size=3", "option"), ("pld:max_ngram", "option"),
+                                           ("pld:max_ngram=0", "pld")])
+def test_unknown_method_or_option(spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make_drafter(spec)

@@ -1,0 +1,120 @@
+"""RACER drafting: breadth allocation, integration of both sources, options."""
+
+import numpy as np
+import pytest
+
+from racer.drafters import make_drafter
+from racer.drafters.logits_tree import CopyLogitTable, child_breadth, expand
+from racer.drafters.racer import RETRIEVAL_SOURCE, RacerDrafter
+from racer.tree import TreeBuilder
+
+
+def full_table(vocab=1000, k=8):
+    """Every token has a row of k distinct ids (no merges inside a row)."""
+    table = CopyLogitTable(k)
+    tokens = np.arange(vocab)
+    table.write(tokens, (tokens[:, None] * 7 + np.arange(1, k + 1)[None, :]) % vocab)
+    return table
+
+
+def level_sizes(tree):
+    return np.bincount(np.array(tree.depths)).tolist()
+
+
+def test_breadth_allocation_gives_the_documented_shape():
+    table = full_table()
+    builder = TreeBuilder(root=3, capacity=1 + 8 + 12 + 17)
+    expand(builder, table.row, 8, 10_000)
+    tree = builder.build()
+    # A node's child count is its breadth. Root: 8 children with breadths
+    # 4, 2, 1, 1, 1, 1, 1, 1 -> 12 grandchildren. Depth-1 nodes keep their breadth
+    # for their first child (4 -> 4, 2, 1, 1; 2 -> 2, 1; 1 -> 1), so level 3 has
+    # 4+2+1+1 + 2+1 + 6*1 = 17 nodes.
+    assert level_sizes(tree) == [1, 8, 12, 17]
+    root_children = [tree.children[0][t] for t in table.row(3)]
+    assert [len(tree.children[c]) for c in root_children] == [4, 2, 1, 1, 1, 1, 1, 1]
+    first = root_children[0]
+    grandchildren = [tree.children[first][t] for t in table.row(tree.tokens[first])[:4]]
+    assert [len(tree.children[g]) for g in grandchildren] == [4, 2, 1, 1]
+    assert [child_breadth(4, j, 2) for j in range(4)] == [2, 1, 1, 1]  # deeper nodes halve
+
+
+def test_rank_one_chains_continue_until_capacity():
+    table = full_table()
+    builder = TreeBuilder(root=3, capacity=200)
+    expand(builder, table.row, 8, 10_000)
+    tree = builder.build()
+    assert len(tree) == 200 and max(tree.depths) > 4
+
+
+def test_unseen_tokens_propose_nothing():
+    """The reference drafts token 0 for rows never written."""
+    d = RacerDrafter(sources="logits")
+    d.begin([5, 6, 7], np.array([[1, 2, 3, 4, 5, 6, 7, 8]] * 3))
+    assert d.draft(99, 64).tokens == (99,)
+    assert d.draft(6, 64).tokens[:2] == (6, 1)
+
+
+def test_retrieval_first_then_logits_fill_the_rest_and_merge():
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2]
+    topk = np.tile(np.arange(10, 18), (len(prompt), 1))
+    topk[prompt.index(4)] = [5, 6, 30, 31, 32, 33, 34, 35]  # row of token 4
+    d = RacerDrafter(n=4, capacity=10, k=8)
+    d.begin(prompt, topk)
+    tree = d.draft(3, 64)
+    assert len(tree) == 10
+    retrieved = [i for i, s in enumerate(tree.sources) if s == RETRIEVAL_SOURCE]
+    # "1 2 3" and "2 3" occurred: continuations 4 -> 5 / 6.
+    assert {tree.tokens[i] for i in retrieved} >= {4, 5, 6}
+    node4 = tree.children[0][4]
+    # The logits tree proposes 5 and 6 under 4 too; they merged with retrieval's.
+    assert set(tree.children[node4]) == {5, 6}
+
+
+def test_capacity_and_budget_bound_the_tree():
+    d = RacerDrafter(capacity=16)
+    prompt = list(range(50)) * 3
+    d.begin(prompt, np.tile(np.arange(8), (len(prompt), 1)))
+    assert len(d.draft(10, 1000)) == 16
+    assert len(d.draft(10, 5)) == 5
+
+
+def test_chain_mode_drafts_one_path():
+    d = RacerDrafter(chain=True, n=4)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2]
+    d.begin(prompt, np.tile(np.arange(10, 18), (len(prompt), 1)))
+    assert d.draft(3, 64).is_chain
+
+
+def test_fresh_memory_forgets_and_kept_memory_remembers():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    topk = np.tile(np.arange(20, 28), (len(prompt), 1))
+    for memory, remembers in (("kept", True), ("fresh", False)):
+        d = RacerDrafter(n=4, memory=memory, sources="retrieval")
+        d.begin(prompt, topk)
+        d.begin([40, 41, 2, 3], topk[:4])  # second request ends in "2 3"
+        assert (len(d.draft(4, 64)) > 1) == remembers
+
+
+def test_accepted_rank_statistics():
+    d = RacerDrafter(sources="logits")
+    d.begin([5, 6], np.array([[9, 8, 7, 6, 5, 4, 3, 2], [9, 8, 7, 6, 5, 4, 3, 2]]))
+    tree = d.draft(6, 64)
+    path = [0, tree.children[0][9]]
+    d.observe(tree, np.tile(np.arange(8), (len(tree), 1)), path)
+    assert d.accepted_ranks[1] == 1 and d.copy_logit_rank1_share() == 1.0
+
+
+@pytest.mark.parametrize("spec, pattern", [
+    ("racer:sources=both2", "sources"), ("racer:memory=forever", "memory"), ("racer:capacity=0", "capacity"),
+    ("racer:update=some", "update"), ("racer:logits=first", "logits"), ("racer:n=1", "n"), ("racer:k=0", "k"),
+])
+def test_bad_options_are_named(spec, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        make_drafter(spec)
+
+
+def test_options_reach_the_drafter():
+    d = make_drafter("racer:capacity=16:memory=fresh:sources=logits:logits=last")
+    assert (d.capacity, d.fresh, d.use_retrieval, d.last_logit) == (16, True, False, True)
+    assert d.describe()["capacity"] == 16

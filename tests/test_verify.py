@@ -1,0 +1,95 @@
+"""Tree verification: every node's logits match sequential decoding of its path, and
+decoding continues correctly after KV compaction."""
+
+import numpy as np
+import pytest
+import torch
+
+from racer.tree import chain
+from racer.verify import TreeVerifier, UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
+
+
+def _check_tree(model, context, tree):
+    verifier = TreeVerifier(model)
+    verifier.prefill(context)
+    got = verifier.verify(tree)
+    want = sequential_logits(model, context, tree)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= tolerance(verifier.dtype, want.abs().max().item())
+    return verifier, got
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_trees_match_sequential_decoding_tiny(tiny, seed):
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 65))
+    tree = random_tree(rng, tiny.config.vocab_size, size, max_depth=int(rng.integers(1, 9)))
+    context = rng.integers(tiny.config.vocab_size, size=int(rng.integers(1, 20))).tolist()
+    _check_tree(tiny, context, tree)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_trees_match_sequential_decoding_real(real, seed):
+    model, _ = real
+    rng = np.random.default_rng(100 + seed)
+    tree = random_tree(rng, model.config.vocab_size, [64, 24, 9][seed], max_depth=8)
+    context = rng.integers(model.config.vocab_size, size=12).tolist()
+    _check_tree(model, context, tree)
+
+
+def test_wrong_mask_is_detected(tiny):
+    """Negative control: letting every node see every other node must fail the check."""
+    rng = np.random.default_rng(5)
+    tree = random_tree(rng, tiny.config.vocab_size, 12, 4)
+    context = [1, 2, 3]
+    verifier = TreeVerifier(tiny)
+    verifier.prefill(context)
+    mask = torch.zeros((1, 1, len(tree), verifier.cached + len(tree)))
+    ids = torch.tensor([tree.tokens])
+    pos = (torch.tensor(tree.depths) + verifier.cached).unsqueeze(0)
+    wrong = verifier._forward(ids, pos, mask, len(tree))
+    want = sequential_logits(tiny, context, tree)
+    assert (wrong - want).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compaction_then_continuing_matches_a_fresh_run(tiny, seed):
+    rng = np.random.default_rng(seed)
+    vocab = tiny.config.vocab_size
+    context = rng.integers(vocab, size=6).tolist()
+    verifier = TreeVerifier(tiny)
+    verifier.prefill(context)
+    for _ in range(3):  # several steps, each accepting a random root-to-node path
+        tree = random_tree(rng, vocab, int(rng.integers(1, 20)), 5)
+        verifier.verify(tree)
+        path = tree.path_to(int(rng.integers(len(tree))))
+        verifier.commit(path, len(tree))
+        context += [tree.tokens[i] for i in path]
+    # The cache now holds exactly `context`; continue with a new tree and compare
+    # with a fresh prefill of the whole context.
+    tree = random_tree(rng, vocab, 10, 4)
+    got = verifier.verify(tree)
+    want = sequential_logits(tiny, context, tree)
+    assert verifier.cached == len(context)
+    assert (got - want).abs().max().item() < 2e-3
+
+
+def test_self_test_passes_on_supported_models(real, tiny):
+    assert self_test(real[0]) <= 2e-3
+    assert self_test(tiny) <= 2e-3
+
+
+def test_unsupported_attention_is_refused_clearly():
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama("sdpa")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation"):
+        self_test(model)
+
+
+def test_tree_too_deep_for_the_context_window_is_refused(tiny):
+    verifier = TreeVerifier(tiny)
+    verifier.prefill(list(range(90)))
+    with pytest.raises(ValueError, match="context window"):
+        verifier.verify(chain(1, list(range(2, 10))))  # depth 8 at position 90 + 8 > 96
