@@ -220,6 +220,47 @@ def render_tables(result: BenchResult, console: Any = None) -> None:
             table.add_row(r.dataset, r.method, str(r.n), _fmt(r.mat, "{:.2f}"), f"{r.ms_per_token:.1f}",
                           _fmt(r.speedup, "{:.2f}x"), _fmt(r.median_speedup, "{:.2f}x"), f"{r.identical}/{r.n}")
         console.print(table)
+    drafting = drafting_rows(result.records, result.settings["methods"])
+    if drafting:
+        table = Table(title="Drafting per step (pure Python) and accepted draft tokens")
+        for column in ("method", "steps", "draft p50 µs", "draft p99 µs", "share of wall", "from retrieval",
+                       "copy-logit rank 1"):
+            table.add_column(column, justify="left" if column == "method" else "right")
+        for row in drafting:
+            table.add_row(row["method"], str(row["steps"]), f"{row['draft_p50_us']:.0f}", f"{row['draft_p99_us']:.0f}",
+                          f"{100 * row['draft_share']:.2f}%", _fmt(row.get("retrieval_share"), "{:.0%}"),
+                          _fmt(row.get("rank1_share"), "{:.0%}"))
+        console.print(table)
+
+
+def drafting_rows(records: Sequence[Record], methods: Sequence[str]) -> list[dict]:
+    """Per method: drafting time per step (p50/p99, µs), its share of the wall time,
+    and — for drafters that report them — where accepted draft tokens came from and
+    their rank in the copy-logit row."""
+    import numpy as np
+
+    rows = []
+    for method in methods:
+        rs = [r for r in records if r.method == method and r.step_draft_us]
+        if not rs:
+            continue
+        steps = np.array([us for r in rs for us in r.step_draft_us])
+        row = {"method": method, "steps": int(steps.size), "draft_p50_us": float(np.percentile(steps, 50)),
+               "draft_p99_us": float(np.percentile(steps, 99)),
+               "draft_share": sum(r.draft_s for r in rs) / sum(r.wall_s for r in rs)}
+        ranks: dict[str, int] = {}
+        sources: dict[str, int] = {}
+        for r in rs:
+            for key, count in ((r.drafter_stats or {}).get("accepted_rank") or {}).items():
+                ranks[key] = ranks.get(key, 0) + count
+            for key, count in ((r.drafter_stats or {}).get("accepted_source") or {}).items():
+                sources[key] = sources.get(key, 0) + count
+        if ranks:
+            row["rank1_share"] = ranks.get("1", 0) / sum(ranks.values())
+        if sources:
+            row["retrieval_share"] = sources.get("retrieval", 0) / sum(sources.values())
+        rows.append(row)
+    return rows
 
 
 def write_plots(result: BenchResult, folder: str | os.PathLike) -> list[Path]:

@@ -106,7 +106,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from racer.engine import Decoder, GenerationResult
     from racer.loading import load_model
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     drafter = make_drafter(args.method)  # fail on a bad method before loading anything
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()

@@ -58,6 +58,15 @@ def resolve_dtype(dtype: Any) -> "torch.dtype":  # noqa: F821
     raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
 
 
+def _dtype_kwargs(dtype: Any) -> dict[str, Any]:
+    """transformers renamed ``torch_dtype`` to ``dtype`` in 4.56."""
+    import transformers
+    from packaging.version import Version
+
+    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {name: dtype}
+
+
 def _fix_smollm2_tokenizer(tokenizer: Any) -> None:
     """The tokenizer read from the GGUF may take <|im_start|> as eos and prepend a BOS;
     SmolLM2 ends a turn with <|im_end|> and adds no BOS. Either error silently changes
@@ -84,7 +93,8 @@ def _load_embedded(dtype: "torch.dtype", **kwargs: Any) -> tuple[Any, Any]:  # n
         # Dequantizing the GGUF takes ~15 s; do it once and keep safetensors.
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _fix_smollm2_tokenizer(tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     **_dtype_kwargs("float32"))
         model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(_SMOLLM2_END)
         model.generation_config.bos_token_id = None
         # The weights are plain float32 now; drop the GGUF "quantizer" so they save as such.
@@ -103,7 +113,7 @@ def _load_embedded(dtype: "torch.dtype", **kwargs: Any) -> tuple[Any, Any]:  # n
             shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(target)
     _fix_smollm2_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(target, **_dtype_kwargs(dtype), **kwargs)
     return model, tokenizer
 
 
@@ -134,7 +144,7 @@ def load_model(
         model, tokenizer = _load_embedded(torch_dtype, **extra)
     else:
         name = str(name_or_path)
-        kwargs: dict[str, Any] = {"dtype": torch_dtype, **extra}
+        kwargs: dict[str, Any] = {**_dtype_kwargs(torch_dtype), **extra}
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, **kwargs)

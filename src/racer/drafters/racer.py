@@ -134,10 +134,12 @@ class RacerDrafter(Drafter):
             del ctx[: len(ctx) - self.n]
 
     def request_stats(self) -> dict:
-        return {"accepted_rank": {str(r): c for r, c in sorted(self.accepted_ranks.items())},
-                "accepted_source": {("retrieval" if s == RETRIEVAL_SOURCE else "logits"): c
-                                    for s, c in sorted(self.accepted_by_source.items())},
-                "retrieval_nodes": self.retrieval.live}
+        stats = {"accepted_source": {("retrieval" if s == RETRIEVAL_SOURCE else "logits"): c
+                                     for s, c in sorted(self.accepted_by_source.items())},
+                 "retrieval_nodes": self.retrieval.live}
+        if self.use_logits:  # ranks in a table that was never filled would read as "not in the row"
+            stats["accepted_rank"] = {str(r): c for r, c in sorted(self.accepted_ranks.items())}
+        return stats
 
     def copy_logit_rank1_share(self) -> float:
         """Share of accepted draft tokens that were rank 1 in their copy-logit row."""
