@@ -115,9 +115,10 @@ class RacerDrafter(Drafter):
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
         for node in accepted[1:]:
-            row = self._candidates(tree.tokens[tree.parents[node]])
-            token = tree.tokens[node]
-            self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
+            if self.use_logits:  # ranks are only reported when the table is in use
+                row = self._candidates(tree.tokens[tree.parents[node]])
+                token = tree.tokens[node]
+                self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
             self.accepted_by_source[tree.sources[node] if tree.sources else 0] += 1
         if tree_topk is not None:
             if self.accepted_only:
