@@ -3,26 +3,44 @@ tokens of Hugging Face greedy `generate` on the benchmark prompts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions
 from racer.engine import Decoder, encode_prompt
 
 QUESTIONS = lossless_questions()
+REPO = Path(__file__).resolve().parents[1]
 
-# Methods checked on every prompt. Decoders live for the whole session, so a drafter
-# that keeps memory across requests is checked with that memory in place.
-METHODS = ["none", "pld"]
-# RACER settings take turns over the prompts (each prompt gets one, each setting six
-# prompts across the datasets) to keep the real-model suite within its time budget.
+# Checked on every prompt (cheap: one chain per step).
+EVERY_PROMPT = ["pld"]
+# Tree methods take turns over the prompts to keep the real-model suite within its
+# time budget: each prompt gets one setting from each list, each setting six prompts
+# spread over the datasets. Decoders live for the whole session, so drafters that keep
+# memory across requests are checked with that memory in place. (`racer bench` over
+# the same prompts checks every method on every prompt; see the README.)
 RACER_SETTINGS = ["racer:capacity=64", "racer:capacity=16:memory=fresh", "racer:capacity=8",
                   "racer:capacity=64:memory=fresh", "racer:capacity=16", "racer:capacity=8:memory=fresh"]
+OTHER_SETTINGS = ["token-recycling", "logitspec", "rest:datastore={datastore}", "pld:variant=hf",
+                  "none", "token-recycling:prefill=true:memory=fresh"]
 
 
 @pytest.fixture(scope="session")
-def decoders(real):
+def datastore(real, tmp_path_factory):
+    """A REST datastore from text the project ships: its own code, tests and README."""
+    from racer.datastore import build_datastore
+
+    out = tmp_path_factory.mktemp("datastore") / "project"
+    build_datastore([REPO / "src", REPO / "tests", REPO / "README.md"], real[1], out, pattern="*.py")
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def decoders(real, datastore):
     model, tokenizer = real
-    return {method: Decoder(model, tokenizer, method) for method in METHODS + RACER_SETTINGS}
+    specs = EVERY_PROMPT + RACER_SETTINGS + OTHER_SETTINGS
+    return {spec: Decoder(model, tokenizer, spec.format(datastore=datastore)) for spec in specs}
 
 
 def test_prompt_set_covers_every_category():
@@ -30,9 +48,10 @@ def test_prompt_set_covers_every_category():
     assert len(spec) == 13 and len(QUESTIONS) == 26 + 5 + 5
 
 
-def test_every_racer_setting_gets_prompts_from_several_datasets():
-    for i, setting in enumerate(RACER_SETTINGS):
-        assert len({q.dataset for q in QUESTIONS[i :: len(RACER_SETTINGS)]}) >= 2, setting
+@pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS])
+def test_every_rotating_setting_gets_prompts_from_several_datasets(settings):
+    for i, setting in enumerate(settings):
+        assert len({q.dataset for q in QUESTIONS[i :: len(settings)]}) >= 2, setting
 
 
 @pytest.mark.parametrize("index", range(len(QUESTIONS)), ids=[q.key for q in QUESTIONS])
@@ -42,7 +61,9 @@ def test_every_method_matches_hf_greedy(real, decoders, index):
     ids = encode_prompt(tokenizer, [{"role": "user", "content": question.prompt}], chat=True)
     reference = hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
     mismatched = {}
-    for method in METHODS + [RACER_SETTINGS[index % len(RACER_SETTINGS)]]:
+    methods = EVERY_PROMPT + [RACER_SETTINGS[index % len(RACER_SETTINGS)],
+                              OTHER_SETTINGS[index % len(OTHER_SETTINGS)]]
+    for method in methods:
         result = decoders[method].generate(ids, max_new_tokens=LOSSLESS_NEW_TOKENS)
         if result.tokens != reference:
             first = next((i for i, (a, b) in enumerate(zip(result.tokens, reference)) if a != b),

@@ -73,6 +73,20 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--report", nargs="+", default=None,
                        help="re-render tables/plots from saved JSON files (merged); runs nothing")
     _add_model_args(bench)
+
+    store = sub.add_parser("datastore", help="REST datastores")
+    store_sub = store.add_subparsers(dest="datastore_command", required=True)
+    build = store_sub.add_parser("build", help="tokenise a corpus and write its suffix array, for rest:datastore=DIR")
+    build.add_argument("corpus", nargs="+",
+                       help="JSONL files (one document per line), text files, or folders of them (recursive)")
+    build.add_argument("--out", required=True, help="folder to write the datastore to")
+    build.add_argument("--field", default="text",
+                       help="JSONL field holding the text; strings inside lists/turns are joined (default: text)")
+    build.add_argument("--pattern", default="*", help="file name pattern inside folders (default: every file)")
+    build.add_argument("--exclude", action="append", default=[],
+                       help="skip files under folders whose path has a part matching this pattern (repeatable)")
+    build.add_argument("--model", default=None,
+                       help="model whose tokenizer to use: HF id or local folder (default: embedded SmolLM2-135M-Instruct)")
     return parser
 
 
@@ -85,16 +99,18 @@ def _setup_torch(threads: int | None) -> int:
 
 
 def _cmd_methods() -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from racer.drafters import METHODS, method_options
 
-    table = Table("method", "what it does", "options (defaults)")
+    def shown(value: object) -> str:
+        return "(required)" if value == "" else "(by variant)" if value is None else str(value)
+
+    width = max(len(name) for name in METHODS) + 2
     for name, (_, summary) in METHODS.items():
-        opts = ", ".join(f"{k}={v}" for k, v in method_options(name).items())
-        table.add_row(name, summary, opts or "-")
-    Console().print(table)
+        print(f"{name:<{width}}{summary}")
+        options = ", ".join(f"{k}={shown(v)}" for k, v in method_options(name).items())
+        if options:
+            print(f"{'':<{width}}options: {options}")
+    print("\nUse as NAME or NAME:key=value:key=value, e.g. --method racer:capacity=16")
     return 0
 
 
@@ -183,6 +199,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_datastore(args: argparse.Namespace) -> int:
+    import time
+
+    from racer.datastore import build_datastore
+    from racer.loading import DEFAULT_MODEL, load_tokenizer
+
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(args.model)
+    meta = build_datastore(args.corpus, tokenizer, args.out, field=args.field, pattern=args.pattern,
+                           exclude=args.exclude, name=args.model or DEFAULT_MODEL)
+    print(f"wrote {args.out}: {meta['documents']} documents, {meta['tokens']} tokens "
+          f"(tokenizer {meta['tokenizer']}, fingerprint {meta['fingerprint']}) in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -191,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_methods()
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "datastore":
+            return _cmd_datastore(args)
         return _cmd_generate(args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)

@@ -149,6 +149,10 @@ class Decoder:
             self_test(model)
         self.verifier = TreeVerifier(model)
         self.end_ids = _end_token_ids(model, tokenizer)
+        if self.drafter.topk_nodes not in ("tree", "last"):
+            raise ValueError(f"drafter {type(self.drafter).__name__}: topk_nodes: expected 'tree' or 'last', "
+                             f"got {self.drafter.topk_nodes!r}")
+        self.drafter.attach(tokenizer, set(self.end_ids))
 
     def _steps(self, ids: list[int], max_new_tokens: int, stop: Sequence[str],
                result: GenerationResult, max_tree: int) -> Iterator[list[int]]:
@@ -156,11 +160,16 @@ class Decoder:
         stopper = _Stopper(self.tokenizer, self.end_ids, stop, max_new_tokens)
         emitted = result.tokens
         k = drafter.topk
+        last_only = drafter.topk_nodes == "last"
 
         start = time.perf_counter()
         logits = verifier.prefill(ids, all_logits=drafter.wants_prompt_topk)
         root = int(torch.argmax(logits[-1]))
-        prompt_topk = torch.topk(logits, k, dim=-1).indices.numpy() if drafter.wants_prompt_topk else None
+        prompt_topk = None
+        if drafter.wants_prompt_topk:
+            prompt_topk = torch.topk(logits, k, dim=-1).indices.numpy()
+        elif k:
+            prompt_topk = torch.topk(logits[-1:], k, dim=-1).indices.numpy()
         result.prefill_s = time.perf_counter() - start
         drafter.begin(ids, prompt_topk)
         chunk = stopper.cut(emitted, [root])
@@ -184,7 +193,10 @@ class Decoder:
             argmax = torch.argmax(logits, dim=-1).tolist()
             path = _accept_greedy(tree, argmax)
             verifier.commit(path, len(tree))
-            tree_topk = torch.topk(logits, k, dim=-1).indices.numpy() if k else None
+            tree_topk = None
+            if k:
+                rows = logits[path[-1] : path[-1] + 1] if last_only else logits
+                tree_topk = torch.topk(rows, k, dim=-1).indices.numpy()
             t2 = time.perf_counter()
             drafter.observe(tree, tree_topk, path)
             t3 = time.perf_counter()

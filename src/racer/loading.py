@@ -82,7 +82,8 @@ def _fix_smollm2_tokenizer(tokenizer: Any) -> None:
         raise RuntimeError("could not stop the GGUF tokenizer from adding a BOS token")
 
 
-def _load_embedded(dtype: "torch.dtype", **kwargs: Any) -> tuple[Any, Any]:  # noqa: F821
+def _embedded_folder() -> Path:
+    """The embedded model as a Hugging Face folder, converted from the GGUF on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
@@ -111,10 +112,34 @@ def _load_embedded(dtype: "torch.dtype", **kwargs: Any) -> tuple[Any, Any]:  # n
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    _fix_smollm2_tokenizer(tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(target, **_dtype_kwargs(dtype), **kwargs)
-    return model, tokenizer
+    return target
+
+
+def _is_default(name_or_path: str | os.PathLike | None) -> bool:
+    return name_or_path is None or str(name_or_path) == DEFAULT_MODEL
+
+
+def _not_found(name: str, err: Exception) -> ModelNotFoundError:
+    where = (
+        f"local folder {Path(name).resolve()}" if os.path.sep in name or Path(name).exists()
+        else f"no local folder named {name!r}, so the Hugging Face cache "
+        f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and hub"
+    )
+    return ModelNotFoundError(f"model: could not load {name!r}; looked in {where}: {str(err).splitlines()[0]}")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
+    """The tokenizer of ``load_model(name_or_path)``, without loading the weights."""
+    from transformers import AutoTokenizer
+
+    if _is_default(name_or_path):
+        tokenizer = AutoTokenizer.from_pretrained(_embedded_folder())
+        _fix_smollm2_tokenizer(tokenizer)
+        return tokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(name_or_path))
+    except (OSError, ValueError) as err:
+        raise _not_found(str(name_or_path), err) from None
 
 
 def load_model(
@@ -140,23 +165,18 @@ def load_model(
         except (RuntimeError, TypeError) as err:
             raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from err
     extra: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
-        model, tokenizer = _load_embedded(torch_dtype, **extra)
+    kwargs: dict[str, Any] = {**_dtype_kwargs(torch_dtype), **extra}
+    if _is_default(name_or_path):
+        folder = _embedded_folder()
+        tokenizer = load_tokenizer(None)
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     else:
         name = str(name_or_path)
-        kwargs: dict[str, Any] = {**_dtype_kwargs(torch_dtype), **extra}
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
         except (OSError, ValueError) as err:
-            where = (
-                f"local folder {Path(name).resolve()}" if os.path.sep in name or Path(name).exists()
-                else f"no local folder named {name!r}, so the Hugging Face cache "
-                f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and hub"
-            )
-            raise ModelNotFoundError(
-                f"model: could not load {name!r}; looked in {where}: {str(err).splitlines()[0]}"
-            ) from None
+            raise _not_found(name, err) from None
     if device is not None:
         model = model.to(device)
     model.eval()

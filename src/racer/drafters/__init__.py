@@ -6,13 +6,19 @@ import inspect
 from typing import Any, Callable
 
 from racer.drafters.base import Drafter, NoDrafter
+from racer.drafters.logitspec import LogitSpecDrafter
 from racer.drafters.pld import PromptLookupDrafter
 from racer.drafters.racer import RacerDrafter
+from racer.drafters.rest import RestDrafter
+from racer.drafters.token_recycling import TokenRecyclingDrafter
 
 METHODS: dict[str, tuple[Callable[..., Drafter], str]] = {
     "racer": (RacerDrafter, "RACER: Aho-Corasick retrieval of seen n-grams + copy-logit tree, merged"),
     "none": (NoDrafter, "plain autoregressive decoding through the same loop"),
-    "pld": (PromptLookupDrafter, "prompt lookup decoding: n-gram match in the context, one chain"),
+    "pld": (PromptLookupDrafter, "prompt lookup: n-gram match in the context, one chain (variant=original|hf)"),
+    "token-recycling": (TokenRecyclingDrafter, "Token Recycling: vocab x 8 table of verified top-8, static 81-node tree"),
+    "logitspec": (LogitSpecDrafter, "LogitSpec: last logits guess the next-next token; context n-gram retrieval"),
+    "rest": (RestDrafter, "REST: suffix-array retrieval from a datastore (racer datastore build)"),
 }
 
 
@@ -61,4 +67,5 @@ def make_drafter(spec: str) -> Drafter:
         raise ValueError(f"method {name}: {err}") from None
 
 
-__all__ = ["Drafter", "NoDrafter", "PromptLookupDrafter", "RacerDrafter", "METHODS", "make_drafter", "method_options", "register"]
+__all__ = ["Drafter", "NoDrafter", "PromptLookupDrafter", "RacerDrafter", "TokenRecyclingDrafter",
+           "LogitSpecDrafter", "RestDrafter", "METHODS", "make_drafter", "method_options", "register"]

@@ -8,7 +8,7 @@ node budget given the root token, and tells it what verification revealed.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -21,19 +21,29 @@ class Drafter(ABC):
     #: Whether it wants the top-k of every prompt position after prefill (costs the
     #: full-vocabulary logits over the prompt once per request).
     wants_prompt_topk: bool = False
+    #: Which verified nodes it wants top-k ids of: "tree" (every node) or "last" (only
+    #: the last accepted one, which is all a drafter driven by the last logits needs).
+    topk_nodes: str = "tree"
+
+    def attach(self, tokenizer: Any, end_ids: set[int]) -> None:
+        """The model this drafter will draft for, told once by the engine: its tokenizer
+        (may be None) and end-of-sequence ids. Drafters whose data depend on the
+        tokenizer check it here."""
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        """A new request. ``prompt_topk[i]`` are the top ids predicted after
-        ``prompt[: i + 1]`` (None unless ``wants_prompt_topk``)."""
+        """A new request. With ``wants_prompt_topk``, ``prompt_topk[i]`` are the top ids
+        predicted after ``prompt[: i + 1]``; otherwise, when ``topk`` > 0, it holds one
+        row, the prediction after the whole prompt; None when ``topk`` is 0."""
 
     @abstractmethod
     def draft(self, root: int, budget: int) -> DraftTree:
         """A tree whose node 0 is ``root`` (already emitted), at most ``budget`` nodes."""
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
-        """What verifying ``tree`` revealed: ``tree_topk[i]`` are the top ids predicted
-        at node i (None unless ``topk``), ``accepted`` the accepted node indices from
-        the root down. ``tree_topk[accepted[-1], 0]`` is the next root."""
+        """What verifying ``tree`` revealed: ``accepted`` are the accepted node indices
+        from the root down; ``tree_topk[i]`` are the top ids predicted at node i (None
+        unless ``topk``), or with ``topk_nodes == "last"`` a single row, the prediction
+        at ``accepted[-1]``. In greedy decoding that row's first id is the next root."""
 
     def request_stats(self) -> dict:
         """Drafter-specific counts for the current request (for records)."""
