@@ -69,3 +69,18 @@ def test_short_real_run_writes_table_json_and_plots(real, tmp_path, monkeypatch,
     # --report re-renders without running anything.
     assert main(["bench", "--report", str(out)]) == 0
     assert "racer:capacity=16" in capsys.readouterr().out
+
+
+def test_sampled_bench_is_repeatable_and_compares_nothing(real, tmp_path, capsys):
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.json"
+        assert main(["bench", "--methods", "ar,hf,pld", "--datasets", "human_eval", "--limit", "1",
+                     "--max-new-tokens", "16", "--warmup", "0", "--threads", "1", "--temperature", "0.7",
+                     "--top-p", "0.9", "--seed", "5", "--json", str(out)]) == 0
+        runs.append(json.loads(out.read_text()))
+    assert "1/1" not in capsys.readouterr().out  # no identical counts for sampled outputs
+    assert runs[0]["settings"]["sampling"]["temperature"] == 0.7
+    for first, second in zip(runs[0]["records"], runs[1]["records"]):
+        assert first["identical"] is None
+        assert first["tokens"] == second["tokens"]  # every method repeats with the seed

@@ -53,7 +53,7 @@ class Summary:
     ms_per_token: float
     speedup: float
     median_speedup: float
-    identical: int
+    identical: int | None  # None: sampled outputs, not compared
 
 
 @dataclass
@@ -111,17 +111,19 @@ def summarize(records: Sequence[Record], baseline: str, by_category: bool = Fals
         out.append(Summary(method, dataset, len(rs), mat, 1000 * wall / tokens if tokens else 0.0,
                            base_wall / sum(r.wall_s for r, _ in pairs) if pairs else float("nan"),
                            statistics.median(ratios) if ratios else float("nan"),
-                           sum(bool(r.identical) for r in rs)))
+                           sum(bool(r.identical) for r in rs) if all(r.identical is not None for r in rs) else None))
     return out
 
 
 class _Runner:
     """Runs one method on a prompt and returns a Record."""
 
-    def __init__(self, spec: str, model: Any, tokenizer: Any) -> None:
+    def __init__(self, spec: str, model: Any, tokenizer: Any, sampling: dict | None = None) -> None:
         from racer.engine import Decoder
 
         self.spec = spec
+        self.sampling = dict(sampling or {})
+        self.calls = 0
         self.model, self.tokenizer = model, tokenizer
         if spec in HF_METHODS:
             self.decoder = None
@@ -130,22 +132,40 @@ class _Runner:
             self.decoder = Decoder(model, tokenizer, "none" if spec == "ar" else spec)
             self.options = self.decoder.drafter.describe()
 
+    def _sampling_now(self) -> dict:
+        # Each call gets its own seed, derived from the bench seed, so a rerun repeats.
+        sampling = dict(self.sampling)
+        if sampling.get("seed") is not None:
+            sampling["seed"] = sampling["seed"] * 1_000_003 + self.calls
+        self.calls += 1
+        return sampling
+
     def run(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+        sampling = self._sampling_now()
         if self.decoder is None:
             import torch
 
             tensor = torch.tensor([ids])
-            extra = {"prompt_lookup_num_tokens": 10} if self.spec == "hf-pld" else {}
+            extra: dict[str, Any] = {"prompt_lookup_num_tokens": 10} if self.spec == "hf-pld" else {}
+            temperature = sampling.get("temperature", 0.0)
+            if temperature > 0:
+                if sampling.get("seed") is not None:
+                    torch.manual_seed(sampling["seed"])
+                extra.update(do_sample=True, temperature=temperature, top_p=sampling.get("top_p", 1.0),
+                             top_k=sampling.get("top_k", 0))  # 0 switches HF's default top-k of 50 off
+            else:
+                extra.update(do_sample=False, top_p=None, top_k=None, temperature=None)
+            if sampling.get("repetition_penalty", 1.0) != 1.0:
+                extra["repetition_penalty"] = sampling["repetition_penalty"]
             start = time.perf_counter()
             with torch.inference_mode():
-                out = self.model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
-                                          max_new_tokens=max_new_tokens, top_p=None, top_k=None, temperature=None,
-                                          **extra)
+                out = self.model.generate(tensor, attention_mask=torch.ones_like(tensor),
+                                          max_new_tokens=max_new_tokens, **extra)
             wall = time.perf_counter() - start
             tokens = out[0, len(ids):].tolist()
             steps = None if extra else max(0, len(tokens) - 1)
             return tokens, dict(steps=steps, accepted=None, tree_sizes=None, wall_s=wall, draft_s=0.0, verify_s=wall)
-        result = self.decoder.generate(ids, max_new_tokens=max_new_tokens)
+        result = self.decoder.generate(ids, max_new_tokens=max_new_tokens, **sampling)
         return result.tokens, dict(steps=len(result.steps), accepted=[s.accepted for s in result.steps],
                                    tree_sizes=[s.tree_size for s in result.steps], wall_s=result.wall_s,
                                    draft_s=sum(s.draft_s for s in result.steps),
@@ -156,8 +176,10 @@ class _Runner:
 
 def run_bench(model: Any, tokenizer: Any, methods: Sequence[str], questions: Sequence[Any], *,
               max_new_tokens: int = 256, baseline: str = "ar", warmup: int = 1, threads: int = 1,
-              progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Run every method on every question, rotating the method order per question."""
+              sampling: dict | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Run every method on every question, rotating the method order per question.
+    ``sampling``: keyword arguments of ``Decoder.generate`` (temperature, top_p, ...;
+    greedy when absent). Sampled outputs are not compared (``identical`` is None)."""
     from racer.engine import encode_prompt
 
     if not methods:
@@ -166,10 +188,12 @@ def run_bench(model: Any, tokenizer: Any, methods: Sequence[str], questions: Seq
         raise ValueError(f"baseline: expected one of the methods ({', '.join(methods)}), got {baseline!r}")
     if len(set(methods)) != len(methods):
         raise ValueError(f"methods: each method once, got {', '.join(methods)}")
-    runners = [_Runner(spec, model, tokenizer) for spec in methods]
+    sampling = dict(sampling or {})
+    greedy = sampling.get("temperature", 0.0) == 0
+    runners = [_Runner(spec, model, tokenizer, sampling) for spec in methods]
     result = BenchResult(machine_info(threads), {"methods": list(methods), "baseline": baseline,
                                                  "max_new_tokens": max_new_tokens, "warmup": warmup,
-                                                 "prompts": len(questions)})
+                                                 "prompts": len(questions), "sampling": sampling})
     prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True) for q in questions]
     # Warm-up (lazy initialisation, allocator, caches), not recorded; on a prompt of its
     # own so that no drafter that keeps memory has seen a measured prompt.
@@ -188,7 +212,7 @@ def run_bench(model: Any, tokenizer: Any, methods: Sequence[str], questions: Seq
                 progress(runner.spec)
         reference = done[baseline].tokens
         for spec in methods:
-            done[spec].identical = done[spec].tokens == reference
+            done[spec].identical = done[spec].tokens == reference if greedy else None
             result.records.append(done[spec])
     return result
 
@@ -218,7 +242,8 @@ def render_tables(result: BenchResult, console: Any = None) -> None:
             table.add_column(column, justify="left" if column in ("dataset", "method") else "right")
         for r in sorted(rows, key=lambda s: (s.dataset, result.settings["methods"].index(s.method))):
             table.add_row(r.dataset, r.method, str(r.n), _fmt(r.mat, "{:.2f}"), f"{r.ms_per_token:.1f}",
-                          _fmt(r.speedup, "{:.2f}x"), _fmt(r.median_speedup, "{:.2f}x"), f"{r.identical}/{r.n}")
+                          _fmt(r.speedup, "{:.2f}x"), _fmt(r.median_speedup, "{:.2f}x"),
+                          "-" if r.identical is None else f"{r.identical}/{r.n}")
         console.print(table)
     drafting = drafting_rows(result.records, result.settings["methods"])
     if drafting:

@@ -41,6 +41,23 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for torch (default: free cores; with OMP_WAIT_POLICY=PASSIVE)")
 
 
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples exactly")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="as in Hugging Face generate (default 1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed repeats a run of the same method")
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    from racer.sampling import SamplingParams
+
+    params = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+    SamplingParams(**params)  # fail on bad values before loading anything
+    return params
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="racer", description="Lossless speculative decoding for Hugging Face causal LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,7 +70,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, no chat template")
     gen.add_argument("--compare", action="store_true",
-                     help="also run plain greedy decoding; print the speedup and whether outputs are identical")
+                     help="also run plain decoding (same sampling settings); print the speedup and, when "
+                          "greedy, whether outputs are identical")
+    _add_sampling_args(gen)
     _add_model_args(gen)
 
     sub.add_parser("methods", help="list draft methods and their options")
@@ -67,7 +86,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_positive, default=256)
     bench.add_argument("--baseline", default="ar", help="method the speedups are relative to (default: ar)")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method on a prompt of its own (default: 1)")
-    bench.add_argument("--seed", type=int, default=0, help="torch seed (greedy decoding uses none)")
+    _add_sampling_args(bench)
+    bench.set_defaults(seed=0)  # a bench run repeats unless told otherwise
     bench.add_argument("--json", default=None, help="write every per-prompt record and the summary here")
     bench.add_argument("--plots", default=None, help="write PNG plots into this folder")
     bench.add_argument("--report", nargs="+", default=None,
@@ -124,11 +144,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True, soft_wrap=True)
     drafter = make_drafter(args.method)  # fail on a bad method before loading anything
+    sampling = _sampling(args)
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     decoder = Decoder(model, tokenizer, drafter)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw, **sampling)
     # Warm-up (not reported) with plain decoding, so no drafter memory sees the prompt early.
     Decoder(model, tokenizer, "none", check=False).generate(args.prompt, **{**kwargs, "max_new_tokens": 4})
 
@@ -141,9 +162,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
     if args.compare:
         plain = Decoder(model, tokenizer, "none").generate(args.prompt, **kwargs)
-        same = plain.tokens == result.tokens
         speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
-        err.print(f"[bold]plain greedy[/]: {len(plain.tokens)} tokens, {plain.tokens_per_s:.1f} tokens/s")
+        greedy = args.temperature == 0
+        err.print(f"[bold]plain {'greedy' if greedy else 'sampling'}[/]: {len(plain.tokens)} tokens, "
+                  f"{plain.tokens_per_s:.1f} tokens/s")
+        same = plain.tokens == result.tokens
+        if not greedy:  # two samples of one distribution need not be equal
+            err.print(f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
+                      f"{'yes' if same else 'no'} (sampling: equal in distribution; with the same --seed usually "
+                      "equal token for token)")
+            return 0
         err.print(f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
                   + ("[green]yes[/]" if same else "[red]NO[/]"))
         if not same:
@@ -170,6 +198,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for spec in methods:  # fail on a bad method before loading anything
             if spec not in ("ar",) + bench.HF_METHODS:
                 make_drafter(spec)
+        sampling = _sampling(args)
         questions = bench.iter_questions([d.strip() for d in args.datasets.split(",") if d.strip()], args.limit)
         threads = _setup_torch(args.threads)
         import torch
@@ -178,15 +207,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from racer.loading import load_model
 
         hf_logging.disable_progress_bar()
-        torch.manual_seed(args.seed)
+        torch.manual_seed(args.seed or 0)
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
         columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()]
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("prompts x methods", total=len(questions) * len(methods))
             result = bench.run_bench(model, tokenizer, methods, questions, max_new_tokens=args.max_new_tokens,
-                                     baseline=args.baseline, warmup=args.warmup, threads=threads,
+                                     baseline=args.baseline, warmup=args.warmup, threads=threads, sampling=sampling,
                                      progress=lambda spec: bar.update(task, advance=1, description=spec))
-        result.settings.update(datasets=args.datasets, limit=args.limit, dtype=args.dtype, seed=args.seed,
+        result.settings.update(datasets=args.datasets, limit=args.limit, dtype=args.dtype,
                                model=args.model or "SmolLM2-135M-Instruct")
         if args.json:
             bench.save(result, args.json)

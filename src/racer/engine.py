@@ -1,4 +1,5 @@
-"""The decoding loop: draft, verify the tree in one pass, accept greedily, repeat.
+"""The decoding loop: draft, verify the tree in one pass, accept (greedy or exact
+sampling), repeat.
 
 The engine knows nothing of how drafts are made: it talks to a ``Drafter``.
 """
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from racer.drafters import Drafter, make_drafter
+from racer.sampling import SamplingParams, TokenChooser
 from racer.tree import DraftTree
 from racer.verify import TreeVerifier, self_test
 
@@ -123,18 +125,6 @@ class _Stopper:
         return _Chunk(out, len(emitted) + len(out) >= self.limit)
 
 
-def _accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> list[int]:
-    """Longest root-to-node path whose every token is its parent's argmax."""
-    path = [0]
-    node = 0
-    while True:
-        child = tree.child(node, argmax[node])
-        if child is None:
-            return path
-        path.append(child)
-        node = child
-
-
 class Decoder:
     """Decodes with one model and one drafter. Reusable across requests: the drafter
     decides whether anything it learnt carries over."""
@@ -155,7 +145,7 @@ class Decoder:
         self.drafter.attach(tokenizer, set(self.end_ids))
 
     def _steps(self, ids: list[int], max_new_tokens: int, stop: Sequence[str],
-               result: GenerationResult, max_tree: int) -> Iterator[list[int]]:
+               result: GenerationResult, max_tree: int, sampling: SamplingParams) -> Iterator[list[int]]:
         drafter, verifier = self.drafter, self.verifier
         stopper = _Stopper(self.tokenizer, self.end_ids, stop, max_new_tokens)
         emitted = result.tokens
@@ -163,8 +153,9 @@ class Decoder:
         last_only = drafter.topk_nodes == "last"
 
         start = time.perf_counter()
+        chooser = TokenChooser(sampling, verifier.device)
         logits = verifier.prefill(ids, all_logits=drafter.wants_prompt_topk)
-        root = int(torch.argmax(logits[-1]))
+        root = chooser.first(logits[-1:], ids)
         prompt_topk = None
         if drafter.wants_prompt_topk:
             prompt_topk = torch.topk(logits, k, dim=-1).indices.numpy()
@@ -190,8 +181,7 @@ class Decoder:
             tree = drafter.draft(emitted[-1], min(max_tree, room))
             t1 = time.perf_counter()
             logits = verifier.verify(tree)
-            argmax = torch.argmax(logits, dim=-1).tolist()
-            path = _accept_greedy(tree, argmax)
+            path, following = chooser.accept(tree, logits, ids, emitted)
             verifier.commit(path, len(tree))
             tree_topk = None
             if k:
@@ -201,7 +191,7 @@ class Decoder:
             drafter.observe(tree, tree_topk, path)
             t3 = time.perf_counter()
             result.steps.append(StepStats(len(tree), len(path) - 1, (t1 - t0) + (t3 - t2), t2 - t1))
-            new = [tree.tokens[i] for i in path[1:]] + [argmax[path[-1]]]
+            new = [tree.tokens[i] for i in path[1:]] + [following]
             chunk = stopper.cut(emitted, new)
 
     def _start(self, prompt: Any, max_new_tokens: int, stop: Sequence[str] | str | None,
@@ -221,11 +211,16 @@ class Decoder:
         return ids, stops, GenerationResult(tokens=[], text="", prompt_tokens=len(ids))
 
     def generate(self, prompt: Any, *, max_new_tokens: int = 256, stop: Sequence[str] | str | None = None,
-                 chat: bool = False, max_tree: int = 1 << 16) -> GenerationResult:
-        """Decode greedily; returns the new tokens, their text and per-step statistics."""
+                 chat: bool = False, max_tree: int = 1 << 16, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, repetition_penalty: float = 1.0, seed: int | None = None) -> GenerationResult:
+        """Decode greedily (``temperature`` 0, the default) or by exact sampling; returns
+        the new tokens, their text and per-step statistics. The sampling parameters
+        mean what they mean in Hugging Face ``generate``; ``seed`` makes a run repeatable
+        for the same method and settings."""
+        sampling = SamplingParams(temperature, top_p, top_k, repetition_penalty, seed)
         ids, stops, result = self._start(prompt, max_new_tokens, stop, chat)
         start = time.perf_counter()
-        for _ in self._steps(ids, max_new_tokens, stops, result, max_tree):
+        for _ in self._steps(ids, max_new_tokens, stops, result, max_tree, sampling):
             pass
         result.wall_s = time.perf_counter() - start
         result.text = self._decode(result.tokens)
@@ -236,15 +231,18 @@ class Decoder:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def stream(self, prompt: Any, *, max_new_tokens: int = 256, stop: Sequence[str] | str | None = None,
-               chat: bool = False, max_tree: int = 1 << 16,
+               chat: bool = False, max_tree: int = 1 << 16, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, repetition_penalty: float = 1.0, seed: int | None = None,
                result: GenerationResult | None = None) -> Iterator[str]:
-        """Yield text as it is accepted. Pass ``result`` to collect the statistics."""
+        """Yield text as it is accepted (parameters as ``generate``). Pass ``result`` to
+        collect the statistics."""
+        sampling = SamplingParams(temperature, top_p, top_k, repetition_penalty, seed)
         ids, stops, fresh = self._start(prompt, max_new_tokens, stop, chat)
         result = fresh if result is None else result
         result.prompt_tokens = fresh.prompt_tokens
         start = time.perf_counter()
         shown = ""
-        for _ in self._steps(ids, max_new_tokens, stops, result, max_tree):
+        for _ in self._steps(ids, max_new_tokens, stops, result, max_tree, sampling):
             text = self._decode(result.tokens)
             # Hold back a trailing partial UTF-8 character until its other bytes arrive.
             stable = text[:-1] if text.endswith("\ufffd") else text
@@ -259,6 +257,8 @@ class Decoder:
 
 def generate(model: Any, tokenizer: Any, prompt: Any, *, method: str | Drafter = "none",
              max_new_tokens: int = 256, stop: Sequence[str] | str | None = None,
-             chat: bool = False) -> GenerationResult:
-    """One-shot greedy generation with ``method``; see ``Decoder`` to reuse a drafter."""
-    return Decoder(model, tokenizer, method).generate(prompt, max_new_tokens=max_new_tokens, stop=stop, chat=chat)
+             chat: bool = False, **sampling: Any) -> GenerationResult:
+    """One-shot generation with ``method`` (sampling keywords as ``Decoder.generate``);
+    see ``Decoder`` to reuse a drafter."""
+    return Decoder(model, tokenizer, method).generate(prompt, max_new_tokens=max_new_tokens, stop=stop, chat=chat,
+                                                      **sampling)
