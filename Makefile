@@ -28,7 +28,7 @@ run: $(BIN)/.installed
 	$(BIN)/racer generate "$(PROMPT)" --method $(METHOD) --compare --max-new-tokens 256
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV)
