@@ -92,6 +92,9 @@ class TokenChooser:
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
         self.params = params
         self.processors = params.processors()
+        # Only the repetition penalty reads the context; the warpers ignore it, so
+        # without the penalty no per-token copy of the context is made.
+        self.reads_context = params.repetition_penalty != 1.0
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator(device=device)
@@ -112,7 +115,8 @@ class TokenChooser:
         """The token after the prompt, from the prefill's last logits (1, vocab)."""
         if self.params.greedy and not self.processors:
             return int(torch.argmax(last_logits[-1]))
-        context = torch.tensor([list(prompt)], device=last_logits.device)
+        context = torch.tensor([list(prompt) if self.reads_context else []], dtype=torch.long,
+                               device=last_logits.device)
         return self._pick(self.process(last_logits[-1:], context)[0])
 
     def _pick(self, scores: torch.Tensor) -> int:
@@ -130,7 +134,7 @@ class TokenChooser:
             argmax = torch.argmax(logits, dim=-1).tolist()
             path = accept_greedy(tree, argmax)
             return path, argmax[path[-1]]
-        base = list(prompt) + list(emitted)
+        base = list(prompt) + list(emitted) if self.reads_context else []
         if self.params.greedy:  # repetition penalty only: every node's argmax is needed
             contexts = _node_contexts(tree, base, logits.device)
             argmax = torch.argmax(self.process(logits, contexts), dim=-1).tolist()
@@ -138,8 +142,9 @@ class TokenChooser:
             return path, argmax[path[-1]]
         path, node = [0], 0
         while True:
-            tokens = base + [tree.tokens[i] for i in path[1:]]
-            scores = self.process(logits[node : node + 1], torch.tensor([tokens], device=logits.device))
+            tokens = base + [tree.tokens[i] for i in path[1:]] if self.reads_context else []
+            context = torch.tensor([tokens], dtype=torch.long, device=logits.device)
+            scores = self.process(logits[node : node + 1], context)
             token = self._pick(scores[0])
             child = tree.child(node, token)
             if child is None:
