@@ -74,3 +74,142 @@ def test_bad_input():
         best_subtree([-1, 0], [1, 1.5], lambda n: 1)
     with pytest.raises(ValueError, match="cost"):
         best_subtree([-1, 0], [1, 0.5], lambda n: 0)
+
+
+# -- the acceptance model and the budget that uses it -------------------------------------
+from racer.budget import AcceptanceModel, DraftBudget  # noqa: E402
+from racer.cost import CostModel  # noqa: E402
+from racer.tree import DraftTree, TreeBuilder  # noqa: E402
+
+
+def two_feature_tree(root=0):
+    """Root with two children, tagged "good" and "bad"; each with one child below."""
+    b = TreeBuilder(root, 10)
+    good = b.add_child(0, 1, feature=("x", "good"))
+    bad = b.add_child(0, 2, feature=("x", "bad"))
+    b.add_child(good, 3, feature=("x", "good"))
+    b.add_child(bad, 4, feature=("x", "bad"))
+    return b.build()
+
+
+def test_acceptance_model_learns_rates_by_feature():
+    rng = random.Random(0)
+    model = AcceptanceModel()
+    tree = two_feature_tree()
+    good, bad = tree.child(0, 1), tree.child(0, 2)
+    for _ in range(2000):
+        first = good if rng.random() < 0.6 else bad if rng.random() < 0.25 else None
+        path = [0] if first is None else [0, first]
+        # Below an accepted node, its child is accepted with the same feature's rate.
+        if first == good and rng.random() < 0.6:
+            path.append(tree.child(good, 3))
+        model.observe(tree, path)
+    assert model.estimate(("x", "good")) == pytest.approx(0.6, abs=0.06)
+    assert model.estimate(("x", "bad")) == pytest.approx(0.4 * 0.25, abs=0.06)
+
+
+def test_only_nodes_whose_parent_was_accepted_count():
+    model = AcceptanceModel()
+    tree = two_feature_tree()
+    for _ in range(50):
+        model.observe(tree, [0])  # both depth-1 nodes tried and rejected; depth 2 not tried
+    tried_good = model.counts[("x", "good")][1]
+    assert tried_good == 50  # the depth-2 "good" node never counted: its parent was never accepted
+    assert model.estimate(("x", "good")) < 0.1
+
+
+def test_unseen_feature_leans_on_its_group():
+    model = AcceptanceModel()
+    b = TreeBuilder(0, 10)
+    for token in range(1, 6):
+        b.add_child(0, token, feature=("y", token))
+    tree = b.build()
+    for _ in range(200):
+        model.observe(tree, [0, 1])  # child 1 always right, the others never
+    assert model.estimate(("y", 99)) == pytest.approx(1 / 5, abs=0.03)  # the group's rate
+    probs = model.probabilities(tree)
+    assert probs[0] == 1.0 and probs[1] > 0.9 and max(probs[2:]) < 0.1
+    assert sum(probs[1:]) == pytest.approx(1.0, abs=0.1)  # learnt rates add up by themselves
+    # Nodes without a feature are keyed by depth.
+    plain = DraftTree((0, 7, 8), (-1, 0, 1), (0, 1, 2), ({7: 1}, {8: 2}, {}))
+    for _ in range(100):
+        model.observe(plain, [0, 1])
+    assert model.estimate(("depth", 1)) > 0.9 and model.estimate(("depth", 2)) < 0.1
+
+
+class Fixed:
+    def __init__(self, curve):
+        self.curve, self.seen = curve, []
+
+    def predict(self, nodes, cached):
+        return self.curve(nodes)
+
+    def refresh(self, nodes, cached, seconds):
+        self.seen.append((nodes, cached, seconds))
+
+
+def wide_tree(size=30):
+    b = TreeBuilder(0, size)
+    node = 0
+    for token in range(1, size):
+        b.add_child(node if token % 3 else 0, token, feature=("z", token % 4))
+        node = len(b) - 1
+    return b.build()
+
+
+def test_budget_keeps_the_full_tree_on_a_flat_curve_and_shrinks_on_a_steep_one():
+    tree = wide_tree()
+    flat = DraftBudget(Fixed(lambda n: 1.0))
+    steep = DraftBudget(Fixed(lambda n: float(n)))
+    assert len(flat.select(tree, 100)) == len(tree)
+    chosen = steep.select(tree, 100)
+    assert 1 <= len(chosen) < len(tree)
+    # The kept part is a subtree of the candidate: every kept node's path is in it.
+    for node in range(1, len(chosen)):
+        assert chosen.tokens[chosen.parents[node]] == tree.tokens[tree.parents[tree.tokens.index(chosen.tokens[node])]]
+
+
+def test_budget_refreshes_the_cost_curve_with_step_times():
+    cost = Fixed(lambda n: 1.0)
+    budget = DraftBudget(cost)
+    tree = wide_tree(5)
+    budget.observe(tree, [0, 1], 42, 0.25)
+    assert cost.seen == [(5, 42, 0.25)]
+    budget.finish()  # a curve without save() is fine
+
+
+# -- the cost model -----------------------------------------------------------------------
+def test_cost_model_interpolates_and_grows_with_the_cache():
+    model = CostModel([1, 4, 8], [0.05, 0.08, 0.10], length=100, per_position=1e-5, per_position_node=1e-6)
+    assert model.predict(1, 100) == pytest.approx(0.05)
+    assert model.predict(6, 100) == pytest.approx(0.09)
+    assert model.predict(16, 100) == pytest.approx(0.14)  # beyond the table: the last slope
+    assert model.predict(4, 1100) == pytest.approx(0.08 + 1000 * (1e-5 + 4e-6))
+    assert model.cheapest_at_least(2, 100) == 2
+    bumpy = CostModel([1, 2, 3, 4], [0.05, 0.09, 0.12, 0.08], length=0)
+    assert bumpy.cheapest_at_least(2, 0) == 4 and bumpy.cheapest_at_least(1, 0) == 1
+
+
+def test_cost_model_refresh_converges_to_observed_times_and_clips_outliers():
+    model = CostModel([1, 8, 64], [0.05, 0.10, 0.30], length=0)
+    for _ in range(200):
+        model.refresh(8, 0, 0.14)
+    assert model.predict(8, 0) == pytest.approx(0.14, rel=1e-3)
+    assert model.predict(1, 0) == pytest.approx(0.05) and model.predict(64, 0) == pytest.approx(0.30)
+    before = model.predict(8, 0)
+    model.refresh(8, 0, 100.0)  # a stall: moves by at most rate x half the prediction
+    assert model.predict(8, 0) <= before * (1 + 0.5 * model.rate) + 1e-12
+    model.refresh(4, 0, 0.12)  # between two sizes: both move
+    assert model.seconds[0] != 0.05 and model.seconds[1] != pytest.approx(0.14, rel=1e-6)
+
+
+def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
+    model = CostModel([1, 2], [0.01, 0.02], length=5, per_position=1e-6, path=str(tmp_path / "c.json"))
+    model.save()
+    import json
+
+    again = CostModel.from_json(json.loads((tmp_path / "c.json").read_text()))
+    assert (again.sizes, again.seconds, again.length, again.per_position) == ([1, 2], [0.01, 0.02], 5, 1e-6)
+    for sizes, seconds in (([2, 4], [1.0, 1.0]), ([1, 1], [1.0, 1.0]), ([1], [0.0]), ([1, 2], [1.0])):
+        with pytest.raises(ValueError, match="cost model"):
+            CostModel(sizes, seconds, length=0)

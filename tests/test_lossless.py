@@ -20,8 +20,10 @@ EVERY_PROMPT = ["pld"]
 # spread over the datasets. Decoders live for the whole session, so drafters that keep
 # memory across requests are checked with that memory in place. (`racer bench` over
 # the same prompts checks every method on every prompt; see the README.)
-RACER_SETTINGS = ["racer:capacity=64", "racer:capacity=16:memory=fresh", "racer:capacity=8",
-                  "racer:capacity=64:memory=fresh", "racer:capacity=16", "racer:capacity=8:memory=fresh"]
+# "racer" and the other tree methods without a capacity run capacity=auto: the
+# verified tree is chosen by the draft budget, so its size changes every step.
+RACER_SETTINGS = ["racer", "racer:capacity=16:memory=fresh", "racer:capacity=8",
+                  "racer:capacity=64", "racer:memory=fresh", "racer:capacity=64:memory=fresh"]
 OTHER_SETTINGS = ["token-recycling", "logitspec", "rest:datastore={datastore}", "pld:variant=hf",
                   "none", "token-recycling:prefill=true:memory=fresh"]
 

@@ -54,6 +54,7 @@ class Summary:
     speedup: float
     median_speedup: float
     identical: int | None  # None: sampled outputs, not compared
+    mean_tree: float | None = None  # verified nodes per step, root included (None: not observable)
 
 
 @dataclass
@@ -108,10 +109,13 @@ def summarize(records: Sequence[Record], baseline: str, by_category: bool = Fals
         wall = sum(r.wall_s for r in rs)
         base_wall = sum(b.wall_s for _, b in pairs)
         ratios = [b.wall_s / r.wall_s for r, b in pairs if r.wall_s > 0]
+        sizes = [size for r in rs for size in (r.tree_sizes or [])]
+        observable = all(r.tree_sizes is not None for r in rs)
         out.append(Summary(method, dataset, len(rs), mat, 1000 * wall / tokens if tokens else 0.0,
                            base_wall / sum(r.wall_s for r, _ in pairs) if pairs else float("nan"),
                            statistics.median(ratios) if ratios else float("nan"),
-                           sum(bool(r.identical) for r in rs) if all(r.identical is not None for r in rs) else None))
+                           sum(bool(r.identical) for r in rs) if all(r.identical is not None for r in rs) else None,
+                           sum(sizes) / len(sizes) if observable and sizes else None))
     return out
 
 
@@ -238,10 +242,11 @@ def render_tables(result: BenchResult, console: Any = None) -> None:
             if not rows:
                 continue
         table = Table(title=title if not by_category else "Spec-Bench by category")
-        for column in ("dataset", "method", "n", "MAT", "ms/token", "speedup", "median", "identical"):
+        for column in ("dataset", "method", "n", "MAT", "tree", "ms/token", "speedup", "median", "identical"):
             table.add_column(column, justify="left" if column in ("dataset", "method") else "right")
         for r in sorted(rows, key=lambda s: (s.dataset, result.settings["methods"].index(s.method))):
-            table.add_row(r.dataset, r.method, str(r.n), _fmt(r.mat, "{:.2f}"), f"{r.ms_per_token:.1f}",
+            table.add_row(r.dataset, r.method, str(r.n), _fmt(r.mat, "{:.2f}"), _fmt(r.mean_tree, "{:.1f}"),
+                          f"{r.ms_per_token:.1f}",
                           _fmt(r.speedup, "{:.2f}x"), _fmt(r.median_speedup, "{:.2f}x"),
                           "-" if r.identical is None else f"{r.identical}/{r.n}")
         console.print(table)

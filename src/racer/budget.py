@@ -1,5 +1,6 @@
 """Choosing how much of a candidate tree to verify: the subtree that maximises expected
-emitted tokens per unit of verification cost. Pure Python (no torch).
+emitted tokens per unit of verification cost, and the online acceptance model that
+gives every candidate node its probability. Pure Python (no torch).
 
 Each candidate node carries the probability that it is accepted given that its parent
 is; its path probability is the product along the path from the root. A verified
@@ -12,7 +13,10 @@ best subtree overall is the best of those prefixes.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import random
+from typing import Any, Callable, Protocol, Sequence
+
+from racer.tree import DraftTree
 
 
 def path_probabilities(parents: Sequence[int], accept: Sequence[float]) -> list[float]:
@@ -57,3 +61,119 @@ def _checked(cost: Callable[[int], float], size: int) -> float:
     if not value > 0:
         raise ValueError(f"cost: expected a positive time for {size} nodes, got {value}")
     return value
+
+
+def _fallback_key(depth: int) -> tuple:
+    return ("depth", min(depth, 8))
+
+
+class AcceptanceModel:
+    """Online estimate of P(node accepted | parent accepted) per evidence key.
+
+    Each key (a node's ``feature``, or its depth when the drafter gives none) keeps
+    accept/try counts from the steps already verified; a key with little evidence
+    leans on its group (the key's first element: the source), which leans on a
+    uniform prior. Counts are halved past ``memory`` tries, so the estimate follows the
+    current request rather than all history. Pure Python."""
+
+    def __init__(self, strength: float = 4.0, memory: float = 400.0, seed: int = 0) -> None:
+        if not strength > 0 or not memory > 0:
+            raise ValueError(f"expected positive strength and memory, got {strength}, {memory}")
+        self.strength, self.memory = strength, memory
+        self.rng = random.Random(seed)
+        self.counts: dict = {}  # key -> [accepted, tried]
+        self.groups: dict = {}
+
+    def _keys(self, tree: DraftTree) -> list:
+        features = tree.features
+        return [f if f is not None else _fallback_key(tree.depths[i])
+                for i, f in enumerate(features if features is not None else [None] * len(tree))]
+
+    def _posterior(self, key: Any) -> tuple[float, float]:
+        """Beta parameters of a key's rate: its counts over its group's mean."""
+        group = key[0] if isinstance(key, tuple) and key else key
+        gh, gt = self.groups.get(group, (0.0, 0.0))
+        prior = (gh + 1.0) / (gt + 2.0)
+        h, t = self.counts.get(key, (0.0, 0.0))
+        return h + self.strength * prior, (t - h) + self.strength * (1.0 - prior)
+
+    def estimate(self, key: Any) -> float:
+        """Posterior mean rate of ``key``."""
+        a, b = self._posterior(key)
+        return a / (a + b)
+
+    def probabilities(self, tree: DraftTree, explore: bool = False) -> list[float]:
+        """Conditional acceptance probability of every node (the root's is 1).
+
+        With ``explore``, each key's rate is drawn from its posterior (Thompson
+        sampling, one draw per key per call): a key that a few unlucky early steps made
+        look bad still gets verified now and then, while one with plenty of evidence
+        stays near its mean. Without it, verified trees would freeze on first
+        impressions (a cold copy-logit table rejects everything at first).
+
+        Siblings are not renormalised: a key's rate is measured over the sibling sets
+        it occurs in, so the rates of one node's children sum to its expected accepted
+        children."""
+        keys = self._keys(tree)
+        if not explore:
+            return [1.0] + [self.estimate(keys[i]) for i in range(1, len(tree))]
+        drawn: dict = {}
+        out = [1.0]
+        for key in keys[1:]:
+            p = drawn.get(key)
+            if p is None:
+                p = drawn[key] = self.rng.betavariate(*self._posterior(key))
+            out.append(p)
+        return out
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        """Count every node whose parent was accepted: a try, and a hit if accepted too."""
+        on_path = set(accepted)
+        keys = self._keys(tree)
+        for i in range(1, len(tree)):
+            if tree.parents[i] in on_path:
+                hit = 1.0 if i in on_path else 0.0
+                key = keys[i]
+                self._count(self.counts, key, hit)
+                self._count(self.groups, key[0] if isinstance(key, tuple) and key else key, hit)
+
+    def _count(self, table: dict, key: Any, hit: float) -> None:
+        h, t = table.get(key, (0.0, 0.0))
+        h, t = h + hit, t + 1.0
+        if t > self.memory:
+            h, t = h / 2, t / 2
+        table[key] = (h, t)
+
+
+class CostCurve(Protocol):
+    def predict(self, nodes: int, cached: int) -> float: ...
+
+    def refresh(self, nodes: int, cached: int, seconds: float) -> None: ...
+
+
+class DraftBudget:
+    """Per step: keep the part of a drafter's candidate tree that maximises expected
+    emitted tokens per second, from a cost curve and the acceptance model."""
+
+    def __init__(self, cost: CostCurve, acceptance: AcceptanceModel | None = None) -> None:
+        self.cost = cost
+        self.acceptance = acceptance or AcceptanceModel()
+
+    def select(self, tree: DraftTree, cached: int) -> DraftTree:
+        if len(tree) == 1:
+            return tree
+        probs = self.acceptance.probabilities(tree, explore=True)
+        nodes, _ = best_subtree(tree.parents, probs, lambda n: self.cost.predict(n, cached))
+        return tree.subtree(nodes)
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int], cached: int, seconds: float) -> None:
+        """What the step that verified ``tree`` at cache length ``cached`` revealed:
+        the accepted path and how long the whole step took."""
+        self.acceptance.observe(tree, accepted)
+        self.cost.refresh(len(tree), cached, seconds)
+
+    def finish(self) -> None:
+        """A request ended: keep the refreshed cost curve, where it can be kept."""
+        save = getattr(self.cost, "save", None)
+        if save is not None:
+            save()

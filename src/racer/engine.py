@@ -13,6 +13,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from racer.budget import CostCurve, DraftBudget
+from racer.cost import load_or_measure
 from racer.drafters import Drafter, make_drafter
 from racer.sampling import SamplingParams, TokenChooser
 from racer.tree import DraftTree
@@ -21,10 +23,11 @@ from racer.verify import TreeVerifier, self_test
 
 @dataclass
 class StepStats:
-    tree_size: int
+    tree_size: int  # nodes verified, root included
     accepted: int  # draft tokens accepted beyond the root (the "a" of 1 + a)
     draft_s: float
     verify_s: float
+    candidates: int = 0  # nodes the drafter proposed before the draft budget chose (capacity=auto)
 
 
 @dataclass
@@ -127,10 +130,14 @@ class _Stopper:
 
 class Decoder:
     """Decodes with one model and one drafter. Reusable across requests: the drafter
-    decides whether anything it learnt carries over."""
+    decides whether anything it learnt carries over.
+
+    A drafter with ``capacity=auto`` proposes a generous candidate tree and the draft
+    budget keeps the part worth verifying on this hardware: ``cost`` is the step-cost
+    model (default: measured once and cached on disk, see ``racer.cost``)."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter = "none",
-                 check: bool = True) -> None:
+                 check: bool = True, cost: CostCurve | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.drafter = make_drafter(method) if isinstance(method, str) else method
         if not isinstance(self.drafter, Drafter):
@@ -143,10 +150,13 @@ class Decoder:
             raise ValueError(f"drafter {type(self.drafter).__name__}: topk_nodes: expected 'tree' or 'last', "
                              f"got {self.drafter.topk_nodes!r}")
         self.drafter.attach(tokenizer, set(self.end_ids))
+        self.budget: DraftBudget | None = None
+        if self.drafter.auto_capacity:
+            self.budget = DraftBudget(cost if cost is not None else load_or_measure(model))
 
     def _steps(self, ids: list[int], max_new_tokens: int, stop: Sequence[str],
                result: GenerationResult, max_tree: int, sampling: SamplingParams) -> Iterator[list[int]]:
-        drafter, verifier = self.drafter, self.verifier
+        drafter, verifier, budget = self.drafter, self.verifier, self.budget
         stopper = _Stopper(self.tokenizer, self.end_ids, stop, max_new_tokens)
         emitted = result.tokens
         k = drafter.topk
@@ -168,17 +178,19 @@ class Decoder:
             emitted.extend(chunk.tokens)
             if chunk.tokens:
                 yield chunk.tokens
-            if chunk.done:
-                result.stop_reason = stopper.reason
-                result.drafter_stats = drafter.request_stats()
-                return
             room = verifier.max_positions - verifier.cached
-            if room <= 1:
-                result.stop_reason = "context"
+            if chunk.done or room <= 1:
+                result.stop_reason = stopper.reason if chunk.done else "context"
                 result.drafter_stats = drafter.request_stats()
+                if budget is not None:
+                    budget.finish()
                 return
             t0 = time.perf_counter()
             tree = drafter.draft(emitted[-1], min(max_tree, room))
+            candidates = len(tree)
+            cached = verifier.cached
+            if budget is not None:
+                tree = budget.select(tree, cached)
             t1 = time.perf_counter()
             logits = verifier.verify(tree)
             path, following = chooser.accept(tree, logits, ids, emitted)
@@ -190,7 +202,9 @@ class Decoder:
             t2 = time.perf_counter()
             drafter.observe(tree, tree_topk, path)
             t3 = time.perf_counter()
-            result.steps.append(StepStats(len(tree), len(path) - 1, (t1 - t0) + (t3 - t2), t2 - t1))
+            if budget is not None:
+                budget.observe(tree, path, cached, t3 - t0)
+            result.steps.append(StepStats(len(tree), len(path) - 1, (t1 - t0) + (t3 - t2), t2 - t1, candidates))
             new = [tree.tokens[i] for i in path[1:]] + [following]
             chunk = stopper.cut(emitted, new)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -19,6 +19,9 @@ class DraftTree:
     children: tuple[dict[int, int], ...] = field(repr=False)
     # Optional per-node tag of where the drafter got the node from (statistics only).
     sources: tuple[int, ...] | None = field(default=None, repr=False)
+    # Optional per-node evidence key (hashable, e.g. ("logits", rank, depth)) that the
+    # draft budget learns acceptance rates by; None: the node's depth is all it knows.
+    features: tuple[Hashable, ...] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -52,6 +55,29 @@ class DraftTree:
         """Root-to-leaf paths of node indices."""
         return [self.path_to(i) for i in range(len(self.tokens)) if not self.children[i]]
 
+    def subtree(self, nodes: Sequence[int]) -> "DraftTree":
+        """The tree of ``nodes`` (ascending, root first, closed under parents), re-indexed.
+        Ascending indices of a breadth-first tree stay breadth-first."""
+        if len(nodes) == len(self.tokens):
+            return self
+        new_index = {old: new for new, old in enumerate(nodes)}
+        if not nodes or nodes[0] != 0:
+            raise ValueError("nodes: expected the root (node 0) first")
+        parents = []
+        for old in nodes:
+            p = self.parents[old]
+            if p >= 0 and p not in new_index:
+                raise ValueError(f"nodes: node {old} is kept without its parent {p}")
+            parents.append(new_index[p] if p >= 0 else -1)
+        children: list[dict[int, int]] = [{} for _ in nodes]
+        for new, p in enumerate(parents):
+            if p >= 0:
+                children[p][self.tokens[nodes[new]]] = new
+        pick = lambda values: None if values is None else tuple(values[i] for i in nodes)  # noqa: E731
+        return DraftTree(tuple(self.tokens[i] for i in nodes), tuple(parents),
+                         tuple(self.depths[i] for i in nodes), tuple(children), pick(self.sources),
+                         pick(self.features))
+
     @staticmethod
     def single(root: int) -> "DraftTree":
         return DraftTree((int(root),), (-1,), (0,), ({},))
@@ -69,6 +95,7 @@ class TreeBuilder:
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
         self.sources: list[int] = [0]
+        self.features: list[Hashable] = [None]
         self.children: list[dict[int, int]] = [{}]
 
     def __len__(self) -> int:
@@ -78,9 +105,10 @@ class TreeBuilder:
     def full(self) -> bool:
         return len(self.tokens) >= self.capacity
 
-    def add_child(self, parent: int, token: int, source: int = 0) -> int | None:
-        """Index of the child of ``parent`` carrying ``token``, created if needed;
-        None when it would exceed the capacity."""
+    def add_child(self, parent: int, token: int, source: int = 0, feature: Hashable = None) -> int | None:
+        """Index of the child of ``parent`` carrying ``token``, created if needed (a
+        node keeps the source and feature it was created with); None when it would
+        exceed the capacity."""
         token = int(token)
         existing = self.children[parent].get(token)
         if existing is not None:
@@ -92,18 +120,20 @@ class TreeBuilder:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.sources.append(source)
+        self.features.append(feature)
         self.children.append({})
         self.children[parent][token] = index
         return index
 
-    def add_path(self, tokens: Sequence[int], source: int = 0, parent: int = 0) -> int:
-        """Add ``tokens`` below ``parent`` (the root by default); returns how many
-        nodes were created. Stops quietly at the capacity."""
+    def add_path(self, tokens: Sequence[int], source: int = 0, parent: int = 0,
+                 features: Sequence[Hashable] | None = None) -> int:
+        """Add ``tokens`` below ``parent`` (the root by default), ``features[i]`` for
+        the i-th; returns how many nodes were created. Stops quietly at the capacity."""
         created = 0
         node: int | None = parent
-        for token in tokens:
+        for i, token in enumerate(tokens):
             before = len(self.tokens)
-            node = self.add_child(node, token, source)
+            node = self.add_child(node, token, source, None if features is None else features[i])
             if node is None:
                 break
             created += len(self.tokens) - before
@@ -114,7 +144,7 @@ class TreeBuilder:
         order = sorted(range(n), key=self.depths.__getitem__)  # stable: BFS by depth
         if order == list(range(n)):
             return DraftTree(tuple(self.tokens), tuple(self.parents), tuple(self.depths),
-                             tuple(self.children), tuple(self.sources))
+                             tuple(self.children), tuple(self.sources), tuple(self.features))
         new_index = [0] * n
         for new, old in enumerate(order):
             new_index[old] = new
@@ -124,6 +154,7 @@ class TreeBuilder:
             tuple(self.depths[o] for o in order),
             tuple({t: new_index[c] for t, c in self.children[o].items()} for o in order),
             tuple(self.sources[o] for o in order),
+            tuple(self.features[o] for o in order),
         )
 
 

@@ -24,6 +24,9 @@ class Drafter(ABC):
     #: Which verified nodes it wants top-k ids of: "tree" (every node) or "last" (only
     #: the last accepted one, which is all a drafter driven by the last logits needs).
     topk_nodes: str = "tree"
+    #: True when the drafter's capacity is "auto": it proposes a generous candidate
+    #: tree and the engine's draft budget keeps the part worth verifying.
+    auto_capacity: bool = False
 
     def attach(self, tokenizer: Any, end_ids: set[int]) -> None:
         """The model this drafter will draft for, told once by the engine: its tokenizer
@@ -52,6 +55,17 @@ class Drafter(ABC):
     def describe(self) -> dict:
         """The drafter's name and options, for records and tables."""
         return {"method": getattr(self, "name", type(self).__name__)}
+
+
+def parse_capacity(method: str, value: Any, generous: int) -> tuple[int, bool]:
+    """``capacity`` option: "auto" (candidate trees of ``generous`` nodes, trimmed each
+    step by the draft budget) or a fixed node count, root included. Returns the
+    candidate capacity and whether it is auto."""
+    if value == "auto":
+        return generous, True
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{method}: capacity: expected 'auto' or a node count of at least 1, got {value!r}")
+    return value, False
 
 
 class NoDrafter(Drafter):

@@ -13,6 +13,12 @@ from racer.tree import TreeBuilder
 LOGITS_SOURCE = 2
 
 
+def logits_feature(rank: int, depth: int) -> tuple:
+    """Acceptance evidence of a node taken from a copy-logit row: its rank there
+    (0-based) and its depth (3 = 3 or deeper)."""
+    return ("logits", rank, min(depth, 3))
+
+
 class CopyLogitTable:
     """``row(v)``: the top-k ids predicted at the most recent position whose input
     token was ``v``. Rows never written propose nothing (the reference drafts token 0)."""
@@ -56,7 +62,7 @@ def expand(builder: TreeBuilder, candidates, k: int, budget: int) -> int:
         for rank, token in enumerate(candidates(builder.tokens[node])[:breadth]):
             if proposed >= budget:
                 break
-            child = builder.add_child(node, token, LOGITS_SOURCE)
+            child = builder.add_child(node, token, LOGITS_SOURCE, logits_feature(rank, depth + 1))
             if child is None:
                 return proposed
             proposed += 1

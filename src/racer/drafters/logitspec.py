@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter
+from racer.drafters.base import Drafter, parse_capacity
 from racer.tree import DraftTree, TreeBuilder
 
 ROOT_CHAIN_SOURCE = 1
@@ -66,7 +66,8 @@ class NgramIndex:
 class LogitSpecDrafter(Drafter):
     """Options:
 
-    - ``capacity``: nodes drafted, root included (64)
+    - ``capacity``: auto (default: 64 candidate nodes, of which the draft budget verifies
+      the part worth its cost) or a fixed node count, root included (the original: 64)
     - ``guesses``: next-next-token guesses come from the top-``guesses`` of the last
       logits, minus the root (64)
     - ``max_ngram`` (3), ``length`` (20): the context index
@@ -78,9 +79,10 @@ class LogitSpecDrafter(Drafter):
     name = "logitspec"
     topk_nodes = "last"
 
-    def __init__(self, capacity: int = 64, guesses: int = 64, max_ngram: int = 3, length: int = 20,
+    def __init__(self, capacity: int | str = "auto", guesses: int = 64, max_ngram: int = 3, length: int = 20,
                  merge: bool = True) -> None:
-        for option, value in (("capacity", capacity), ("guesses", guesses), ("max_ngram", max_ngram),
+        capacity, self.auto_capacity = parse_capacity("logitspec", capacity, 64)
+        for option, value in (("guesses", guesses), ("max_ngram", max_ngram),
                               ("length", length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"logitspec: {option}: expected a positive integer, got {value!r}")
@@ -90,7 +92,7 @@ class LogitSpecDrafter(Drafter):
         self._last_row: list[int] = []
 
     def describe(self) -> dict:
-        return {"method": self.name, "capacity": self.capacity, "guesses": self.guesses,
+        return {"method": self.name, "capacity": "auto" if self.auto_capacity else self.capacity, "guesses": self.guesses,
                 "max_ngram": self.index.max_n, "length": self.index.length, "merge": self.merge}
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
@@ -108,7 +110,8 @@ class LogitSpecDrafter(Drafter):
             return builder.full if self.merge else proposed >= room
 
         root_chain = self.index.lookup(tail)[:room]
-        builder.add_path(root_chain, ROOT_CHAIN_SOURCE)
+        builder.add_path(root_chain, ROOT_CHAIN_SOURCE,
+                         features=[("context", min(d, 4)) for d in range(1, len(root_chain) + 1)])
         proposed += len(root_chain)
         rank = 0
         for guess in self._last_row:
@@ -120,7 +123,9 @@ class LogitSpecDrafter(Drafter):
             chain = ([guess] + self.index.lookup(tail[1:] + [guess]))[: tokens_kept(rank)]
             if not self.merge:
                 chain = chain[: room - proposed]
-            builder.add_path(chain, GUESS_SOURCE)
+            tier = min(rank.bit_length(), 6)  # ranks 1, 2-3, 4-7, ... 32+
+            builder.add_path(chain, GUESS_SOURCE,
+                             features=[("guess", tier)] + [("guess-context", min(d, 3)) for d in range(1, len(chain))])
             proposed += len(chain)
         return builder.build()
 

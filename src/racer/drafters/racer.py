@@ -8,12 +8,19 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter
-from racer.drafters.logits_tree import LOGITS_SOURCE, CopyLogitTable, expand
+from racer.drafters.base import Drafter, parse_capacity
+from racer.drafters.logits_tree import LOGITS_SOURCE, CopyLogitTable, expand, logits_feature
 from racer.drafters.retrieval import RetrievalTree
 from racer.tree import DraftTree, TreeBuilder
 
 RETRIEVAL_SOURCE = 1
+GENEROUS_CAPACITY = 64  # candidate nodes with capacity=auto: the paper's fixed capacity
+
+
+def retrieval_feature(border_depth: int, ratio: float) -> tuple:
+    """Acceptance evidence of a retrieved node: how long the context match behind it
+    is, and how often its trie parent continued with it (freq ratio, in quarters)."""
+    return ("retrieval", min(border_depth, 6), min(int(ratio * 4), 4))
 
 _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
@@ -27,7 +34,10 @@ class RacerDrafter(Drafter):
     """Options (reference behaviour as defaults):
 
     - ``n``: n-gram length of the Retrieval Tree (10); ``nodes``: its node capacity (10,000)
-    - ``k``: copy-logit row width and root breadth (8); ``capacity``: draft nodes, root included (64)
+    - ``k``: copy-logit row width and root breadth (8)
+    - ``capacity``: auto (default: a 64-node candidate tree, of which the draft budget
+      verifies the part worth its cost on this hardware) or a fixed node count, root
+      included (the paper: 64)
     - ``min_border``: shortest suffix match that retrieval uses (2)
     - ``chain``: draft a single path instead of a tree
     - ``sources``: both | retrieval | logits (the paper's ablation)
@@ -39,19 +49,18 @@ class RacerDrafter(Drafter):
     name = "racer"
     wants_prompt_topk = True
 
-    def __init__(self, capacity: int = 64, n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2,
+    def __init__(self, capacity: int | str = "auto", n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2,
                  chain: bool = False, sources: str = "both", logits: str = "copy", update: str = "all",
                  memory: str = "kept") -> None:
         for option, value in (("sources", sources), ("logits", logits), ("update", update), ("memory", memory)):
             if value not in _CHOICES[option]:
                 raise ValueError(f"racer: {option}: expected one of {', '.join(_CHOICES[option])}, got {value!r}")
-        if capacity < 1:
-            raise ValueError(f"racer: capacity: expected at least 1 node, got {capacity}")
+        size, self.auto_capacity = parse_capacity("racer", capacity, GENEROUS_CAPACITY)
         if min_border < 1:
             raise ValueError(f"racer: min_border: expected at least 1, got {min_border}")
         self.options = dict(capacity=capacity, n=n, nodes=nodes, k=k, min_border=min_border, chain=bool(chain),
                             sources=sources, logits=logits, update=update, memory=memory)
-        self.capacity, self.n, self.nodes, self.k = capacity, n, nodes, k
+        self.capacity, self.n, self.nodes, self.k = size, n, nodes, k
         self.min_border, self.chain = min_border, bool(chain)
         self.use_retrieval = sources in ("both", "retrieval")
         self.use_logits = sources in ("both", "logits")
@@ -94,11 +103,11 @@ class RacerDrafter(Drafter):
         capacity = min(self.capacity, budget)
         builder = TreeBuilder(root, capacity)
         if self.use_retrieval and capacity > 1:
-            paths = self.retrieval.retrieve(root, capacity - 1, self.min_border)
+            paths = self.retrieval.retrieve_evidence(root, capacity - 1, self.min_border)
             if self.chain:  # the deepest of the most frequent continuations
-                paths = [max(paths, key=len)] if paths else []
-            for path in paths:
-                builder.add_path(path, RETRIEVAL_SOURCE)
+                paths = [max(paths, key=lambda p: len(p[0]))] if paths else []
+            for path, evidence in paths:
+                builder.add_path(path, RETRIEVAL_SOURCE, features=[retrieval_feature(*e) for e in evidence])
         left = capacity - len(builder)
         if self.use_logits and left > 0:
             if self.chain:
@@ -107,7 +116,8 @@ class RacerDrafter(Drafter):
                     row = self._candidates(builder.tokens[node])
                     if not row:
                         break
-                    node = builder.add_child(node, row[0], LOGITS_SOURCE)
+                    node = builder.add_child(node, row[0], LOGITS_SOURCE,
+                                             logits_feature(0, builder.depths[node] + 1))
                     left -= 1
             else:
                 expand(builder, self._candidates, self.k, left)

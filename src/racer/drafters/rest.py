@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from racer.datastore import SEPARATOR, Datastore
-from racer.drafters.base import Drafter
+from racer.drafters.base import Drafter, parse_capacity
 from racer.tree import DraftTree, TreeBuilder
 
 
@@ -41,19 +41,22 @@ class RestDrafter(Drafter):
     """Options:
 
     - ``datastore``: the folder written by ``racer datastore build`` (required)
-    - ``capacity``: nodes drafted, root included (64 draft tokens + root = 65)
+    - ``capacity``: auto (default: 65 candidate nodes, of which the draft budget verifies
+      the part worth its cost) or a fixed node count, root included (the original: 64
+      draft tokens + root = 65)
     - ``max_suffix`` (16) / ``min_suffix`` (2): suffix lengths tried, longest first
     - ``occurrences``: matches collected at most (5000); ``length``: tokens taken after each (10)
     """
 
     name = "rest"
 
-    def __init__(self, datastore: str = "", capacity: int = 65, max_suffix: int = 16, min_suffix: int = 2,
+    def __init__(self, datastore: str = "", capacity: int | str = "auto", max_suffix: int = 16, min_suffix: int = 2,
                  occurrences: int = 5000, length: int = 10) -> None:
         if not datastore:
             raise ValueError("rest: datastore: expected the folder written by 'racer datastore build', "
                              "e.g. rest:datastore=PATH")
-        for option, value in (("capacity", capacity), ("max_suffix", max_suffix), ("min_suffix", min_suffix),
+        capacity, self.auto_capacity = parse_capacity("rest", capacity, 65)
+        for option, value in (("max_suffix", max_suffix), ("min_suffix", min_suffix),
                               ("occurrences", occurrences), ("length", length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"rest: {option}: expected a positive integer, got {value!r}")
@@ -66,7 +69,7 @@ class RestDrafter(Drafter):
         self.matched: list[int] = []  # per step: suffix length that hit (0: none)
 
     def describe(self) -> dict:
-        return {"method": self.name, "datastore": str(self.store.folder), "capacity": self.capacity,
+        return {"method": self.name, "datastore": str(self.store.folder), "capacity": "auto" if self.auto_capacity else self.capacity,
                 "max_suffix": self.max_suffix, "min_suffix": self.min_suffix,
                 "occurrences": self.occurrences, "length": self.length}
 
@@ -104,8 +107,10 @@ class RestDrafter(Drafter):
         capacity = min(self.capacity, budget)
         builder = TreeBuilder(root, capacity)
         if capacity > 1:
-            for prefix in self.retrieve(self._tail + [root], capacity - 1):
-                builder.add_path(prefix)
+            for order, prefix in enumerate(self.retrieve(self._tail + [root], capacity - 1)):
+                # Prefixes come most frequent first: their order is the evidence.
+                tier = min((order + 1).bit_length(), 6)
+                builder.add_path(prefix, features=[("datastore", tier, min(d, 4)) for d in range(1, len(prefix) + 1)])
         return builder.build()
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:

@@ -225,10 +225,29 @@ class RetrievalTree:
 
     def retrieve_scored(self, root: int, limit: int, min_depth: int = 2) -> list[tuple[int, list[int]]]:
         """``retrieve`` with each path's end-node ``freq``."""
+        return [(self.freq[end], path) for end, path in self._retrieve(root, limit, min_depth)]
+
+    def retrieve_evidence(self, root: int, limit: int,
+                          min_depth: int = 2) -> list[tuple[list[int], list[tuple[int, float]]]]:
+        """``retrieve`` with, for each path node, the depth of the border it hangs from
+        (how many context tokens matched) and its freq over its trie parent's."""
+        out = []
+        for end, path in self._retrieve(root, limit, min_depth):
+            evidence = []
+            node = end
+            for _ in path:
+                parent = self.parent[node]
+                evidence.append(self.freq[node] / max(self.freq[parent], 1))
+                node = parent
+            border = self.depth[node]
+            out.append((path, [(border, ratio) for ratio in reversed(evidence)]))
+        return out
+
+    def _retrieve(self, root: int, limit: int, min_depth: int) -> list[tuple[int, list[int]]]:
         if limit <= 0:
             return []
         frontier = [(b, ()) for b in self.borders(root, min_depth)]
-        chosen: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-freq, depth, order, path)
+        chosen: list[tuple[int, int, int, tuple[int, ...], int]] = []  # (-freq, depth, order, path, node)
         order = 0
         while frontier:
             level = []
@@ -239,14 +258,14 @@ class RetrievalTree:
             if not level:
                 break
             level.sort()
-            merged = sorted(chosen + [entry[:4] for entry in level])[:limit]
+            merged = sorted(chosen + level)[:limit]
             kept = {entry[2] for entry in merged}
             added = [(child, path) for (_, _, o, path, child) in level if o in kept]
             chosen = merged
             if not added:  # freq never grows down a path: nothing deeper can enter
                 break
             frontier = added
-        return [(-neg_freq, list(path)) for (neg_freq, _, _, path) in sorted(chosen)]
+        return [(end, list(path)) for (_, _, _, path, end) in sorted(chosen)]
 
     # -- introspection for tests ----------------------------------------------------------
     def string(self, node: int) -> tuple[int, ...]:

@@ -8,8 +8,8 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter
-from racer.drafters.logits_tree import CopyLogitTable
+from racer.drafters.base import Drafter, parse_capacity
+from racer.drafters.logits_tree import CopyLogitTable, logits_feature
 from racer.tree import DraftTree, TreeBuilder
 
 
@@ -35,8 +35,10 @@ TEMPLATE_WIDTH = 1 + max(rank for path in TEMPLATE for rank in path)
 class TokenRecyclingDrafter(Drafter):
     """Options:
 
-    - ``capacity``: nodes drafted, root included (81: the whole template; fewer keeps
-      the template's first nodes, which are its most probable ones)
+    - ``capacity``: auto (default: the whole template as candidates, of which the draft
+      budget verifies the part worth its cost) or a fixed node count, root included
+      (81: the whole template, as the original; fewer keeps the template's first nodes,
+      which are its most probable ones)
     - ``prefill``: also fill the table from the prompt's logits (the original does not)
     - ``memory``: kept (the original: the table lives across requests) | fresh
     """
@@ -44,17 +46,16 @@ class TokenRecyclingDrafter(Drafter):
     name = "token-recycling"
     topk = TEMPLATE_WIDTH
 
-    def __init__(self, capacity: int = len(TEMPLATE) + 1, prefill: bool = False, memory: str = "kept") -> None:
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"token-recycling: capacity: expected at least 1 node, got {capacity!r}")
+    def __init__(self, capacity: int | str = "auto", prefill: bool = False, memory: str = "kept") -> None:
+        size, self.auto_capacity = parse_capacity("token-recycling", capacity, len(TEMPLATE) + 1)
         if memory not in ("kept", "fresh"):
             raise ValueError(f"token-recycling: memory: expected kept or fresh, got {memory!r}")
-        self.capacity, self.prefill, self.memory = capacity, bool(prefill), memory
+        self.capacity, self.prefill, self.memory = size, bool(prefill), memory
         self.wants_prompt_topk = self.prefill
         self.table = CopyLogitTable(TEMPLATE_WIDTH)
 
     def describe(self) -> dict:
-        return {"method": self.name, "capacity": self.capacity, "prefill": self.prefill, "memory": self.memory}
+        return {"method": self.name, "capacity": "auto" if self.auto_capacity else self.capacity, "prefill": self.prefill, "memory": self.memory}
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         if self.memory == "fresh":
@@ -73,7 +74,7 @@ class TokenRecyclingDrafter(Drafter):
                 continue
             row = self.table.row(builder.tokens[parent])
             if path[-1] < len(row):
-                node_of[path] = builder.add_child(parent, row[path[-1]])
+                node_of[path] = builder.add_child(parent, row[path[-1]], 0, logits_feature(path[-1], len(path)))
         return builder.build()
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:

@@ -1,0 +1,82 @@
+"""Measuring the step-cost curve on a model, caching it on disk, and capacity=auto in
+the decoding loop."""
+
+import numpy as np
+import pytest
+
+from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, make_tiny_llama
+from racer.cost import cost_file, load_or_measure, measure
+from racer.drafters import make_drafter
+from racer.engine import Decoder, encode_prompt
+
+
+def test_measure_times_every_size_that_fits(tiny):
+    model = measure(tiny, sizes=(1, 2, 4, 8), length=8, grown=16, repeats=1)
+    assert model.sizes == [1, 2, 4, 8] and all(s > 0 for s in model.seconds)
+    assert model.per_position >= 0 and model.per_position_node >= 0
+
+
+def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.delenv("RACER_COST_CACHE", raising=False)
+    model = make_tiny_llama(seed=1)
+    first = load_or_measure(model)
+    assert cost_file(model).exists() and first.path == str(cost_file(model))
+    first.seconds[0] = 123.0
+    first.save()
+    assert load_or_measure(model).seconds[0] == 123.0  # read back, not measured again
+    assert load_or_measure(model, refresh=True).seconds[0] != 123.0
+    other = make_tiny_llama(seed=1).to(dtype=__import__("torch").bfloat16)
+    assert cost_file(other) != cost_file(model)  # dtype is part of the key
+    cost_file(model).write_text("{not json")
+    assert load_or_measure(model).seconds[0] > 0  # a damaged file is measured again
+
+
+def test_capacity_auto_is_the_default_for_every_tree_drafter(tmp_path):
+    for spec in ("racer", "token-recycling", "logitspec"):
+        drafter = make_drafter(spec)
+        assert drafter.auto_capacity and drafter.describe()["capacity"] == "auto", spec
+        fixed = make_drafter(spec + ":capacity=16")
+        assert not fixed.auto_capacity and fixed.capacity == 16
+    for bad in ("racer:capacity=big", "token-recycling:capacity=0", "logitspec:capacity=-3"):
+        with pytest.raises(ValueError, match="capacity: expected 'auto' or a node count"):
+            make_drafter(bad)
+    assert not make_drafter("pld").auto_capacity and not make_drafter("none").auto_capacity
+
+
+class Frozen:
+    """A cost curve that step timings do not move (a GPU-like flat one, or a steep one)."""
+
+    def __init__(self, per_node: float) -> None:
+        self.per_node = per_node
+
+    def predict(self, nodes, cached):
+        return 0.05 + self.per_node * (nodes - 1)
+
+    def refresh(self, nodes, cached, seconds):
+        pass
+
+
+def test_flat_cost_verifies_the_whole_candidate_tree_and_steep_shrinks_it(real):
+    model, tokenizer = real
+    prompt = "Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape."
+    flat = Decoder(model, tokenizer, "racer", cost=Frozen(0.0)).generate(prompt, max_new_tokens=48, chat=True)
+    steep = Decoder(model, tokenizer, "racer", cost=Frozen(0.05)).generate(prompt, max_new_tokens=48, chat=True)
+    assert all(s.tree_size == s.candidates for s in flat.steps)
+    assert max(s.candidates for s in flat.steps) > 16
+    assert all(s.tree_size <= s.candidates for s in steep.steps)
+    assert np.mean([s.tree_size for s in steep.steps]) < 0.5 * np.mean([s.tree_size for s in flat.steps])
+    assert flat.tokens == steep.tokens
+
+
+@pytest.mark.parametrize("method", ["racer", "token-recycling", "logitspec"])
+def test_auto_capacity_on_the_real_model_is_lossless_and_learns(real, method):
+    model, tokenizer = real
+    ids = encode_prompt(tokenizer, [{"role": "user", "content": "Write a Python function that returns the "
+                                     "squares of a list, then explain it."}], chat=True)
+    decoder = Decoder(model, tokenizer, method)
+    result = decoder.generate(ids, max_new_tokens=LOSSLESS_NEW_TOKENS)
+    assert result.tokens == hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
+    sizes = {s.tree_size for s in result.steps}
+    assert len(sizes) > 1  # the budget chose per step
+    assert sum(t for _, t in decoder.budget.acceptance.counts.values()) > 0
