@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 # TORCH to the build you want (e.g. TORCH=torch for the default CUDA wheel).
 TORCH  ?= torch==2.13.0
 PROMPT ?= Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation. Then write three test cases for it.
-METHOD ?= racer:capacity=16
+METHOD ?= racer
 TEST_WORKERS ?= 2
 
 .PHONY: run test install clean

@@ -38,3 +38,21 @@ def test_generate_with_compare_reports_identical_output(real, capsys):
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "speedup" in captured.err and "identical: yes" in captured.err and "MAT" in captured.err
+
+
+def test_generate_with_auto_capacity_reports_the_budget(real, capsys):
+    assert main(["generate", "Count from 1 to 12.", "--max-new-tokens", "24", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "draft budget:" in err and "nodes verified per step" in err
+
+
+def test_cost_measures_on_refresh_then_reads_the_cache(real, capsys):
+    assert main(["cost", "--threads", "1", "--refresh"]) == 0
+    first = capsys.readouterr().out
+    assert "measured now, saved to" in first and "costs" in first
+    assert main(["cost", "--threads", "1"]) == 0
+    second = capsys.readouterr().out
+    assert "cached in" in second
+    rows = [line for line in second.splitlines() if line.startswith(("nodes:", "ms:"))]
+    assert len(rows) == 2 and len(rows[0].split()) == len(rows[1].split())
+    assert first.splitlines()[1:] == second.splitlines()[1:]

@@ -118,3 +118,43 @@ def test_options_reach_the_drafter():
     d = make_drafter("racer:capacity=16:memory=fresh:sources=logits:logits=last")
     assert (d.capacity, d.fresh, d.use_retrieval, d.last_logit) == (16, True, False, True)
     assert d.describe()["capacity"] == 16
+
+
+def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
+    # "1 2 3" is followed by 4 three times and by 9 once: after root 3 (context "1 2"),
+    # the border is "1 2 3" (depth 3); 4 continues it 3 times in 4, 9 once in 4.
+    prompt = [1, 2, 3, 4, 7, 1, 2, 3, 4, 8, 1, 2, 3, 4, 5, 1, 2, 3, 9, 6, 1, 2]
+    topk = np.tile(np.arange(20, 28), (len(prompt), 1))
+    d = RacerDrafter(n=4, capacity=40, k=8)
+    d.begin(prompt, topk)
+    tree = d.draft(3, 64)
+    by_token = {tree.tokens[i]: tree.features[i] for i in range(1, len(tree)) if tree.depths[i] == 1}
+    assert by_token[4] == ("retrieval", 3, 3)  # 3/4 of the time: quarter 3
+    assert by_token[9] == ("retrieval", 3, 1)  # 1/4
+    # Copy-logit nodes: (rank in the parent's row, depth); the root's row is 20..27.
+    assert by_token[20] == ("logits", 0, 1) and by_token[23] == ("logits", 3, 1)
+    assert tree.features[0] is None
+
+
+def test_retrieval_evidence_matches_brute_force_counts():
+    from racer.drafters.retrieval import RetrievalTree
+
+    n = 5
+    rng = np.random.default_rng(3)
+    context = [int(t) for t in rng.integers(0, 4, size=200)]
+    trie = RetrievalTree(n=n, capacity=100_000)  # large enough that nothing is evicted
+    trie.start(context[:-1])
+    root = context[-1]
+
+    def count(s):  # how many full n-token windows of the context start with s
+        s = list(s)
+        return sum(context[i : i + len(s)] == s for i in range(len(context) - 1 - n + 1))
+
+    found = trie.retrieve_evidence(root, 30, 2)
+    assert found
+    for path, evidence in found:
+        border = evidence[0][0]
+        assert all(b == border for b, _ in evidence)
+        stem = (context[:-1] + [root])[-border:]  # the border is a suffix of context + root
+        for i, (_, ratio) in enumerate(evidence):
+            assert ratio == pytest.approx(count(stem + path[: i + 1]) / count(stem + path[:i]))

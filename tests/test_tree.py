@@ -39,3 +39,22 @@ def test_ancestor_mask_is_ancestors_and_self():
 def test_chain_and_single():
     assert chain(4, [5, 6]).is_chain and chain(4, [5, 6]).tokens == (4, 5, 6)
     assert DraftTree.single(9).tokens == (9,) and DraftTree.single(9).is_chain
+
+
+def test_subtree_reindexes_and_keeps_sources_and_features():
+    b = TreeBuilder(0, 10)
+    a = b.add_child(0, 1, 1, ("a",))
+    b.add_child(0, 2, 2, ("b",))
+    c = b.add_child(a, 3, 1, ("c",))
+    b.add_child(c, 4, 2, ("d",))
+    tree = b.build()
+    keep = [0, tree.child(0, 1), tree.child(tree.child(0, 1), 3)]
+    sub = tree.subtree(sorted(keep))
+    assert sub.tokens == (0, 1, 3) and sub.parents == (-1, 0, 1) and sub.depths == (0, 1, 2)
+    assert sub.child(1, 3) == 2 and sub.child(0, 2) is None
+    assert sub.sources == (0, 1, 1) and sub.features == (None, ("a",), ("c",))
+    assert tree.subtree(list(range(len(tree)))) is tree
+    with pytest.raises(ValueError, match="without its parent"):
+        tree.subtree([0, tree.child(tree.child(0, 1), 3)])
+    with pytest.raises(ValueError, match="root"):
+        tree.subtree([1, 2])

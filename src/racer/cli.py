@@ -94,6 +94,11 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="re-render tables/plots from saved JSON files (merged); runs nothing")
     _add_model_args(bench)
 
+    cost = sub.add_parser("cost", help="show the step-cost table capacity=auto uses (measured once per "
+                                       "model, device, dtype and threads; cached)")
+    cost.add_argument("--refresh", action="store_true", help="measure again, replacing the cached table")
+    _add_model_args(cost)
+
     store = sub.add_parser("datastore", help="REST datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="tokenise a corpus and write its suffix array, for rest:datastore=DIR")
@@ -138,6 +143,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers.utils import logging as hf_logging
 
+    from racer.cost import cost_file
     from racer.drafters import make_drafter
     from racer.engine import Decoder, GenerationResult
     from racer.loading import load_model
@@ -148,6 +154,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if drafter.auto_capacity and not cost_file(model).exists():
+        err.print("capacity=auto: timing verification passes once for this model and hardware "
+                  f"(cached in {cost_file(model).parent})")
     decoder = Decoder(model, tokenizer, drafter)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw, **sampling)
     # Warm-up (not reported) with plain decoding, so no drafter memory sees the prompt early.
@@ -160,6 +169,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     err.print(f"[bold]{args.method}[/]: {len(result.tokens)} tokens, {result.passes} passes, "
               f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
+    if result.steps and drafter.auto_capacity:
+        sizes = [s.tree_size for s in result.steps]
+        err.print(f"draft budget: {sum(sizes) / len(sizes):.1f} nodes verified per step on average "
+                  f"(of {sum(s.candidates for s in result.steps) / len(sizes):.1f} proposed), largest {max(sizes)}")
     if args.compare:
         plain = Decoder(model, tokenizer, "none").generate(args.prompt, **kwargs)
         speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
@@ -243,6 +256,25 @@ def _cmd_datastore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cost(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from racer.cost import cost_file, load_or_measure
+    from racer.loading import load_model
+
+    threads = _setup_torch(args.threads)
+    hf_logging.disable_progress_bar()
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
+    cached = cost_file(model).exists() and not args.refresh
+    table = load_or_measure(model, refresh=args.refresh)
+    print(f"{'cached in' if cached else 'measured now, saved to'} {table.path or '(not saved)'} ({threads} threads)")
+    print("nodes: " + " ".join(f"{n:>6}" for n in table.sizes))
+    print("ms:    " + " ".join(f"{1000 * t:>6.1f}" for t in table.seconds))
+    print(f"at a cache of {table.length} tokens; per extra cached token: "
+          f"+{1e6 * table.per_position:.2f} µs per step + {1e6 * table.per_position_node:.3f} µs per node")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -253,6 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_bench(args)
         if args.command == "datastore":
             return _cmd_datastore(args)
+        if args.command == "cost":
+            return _cmd_cost(args)
         return _cmd_generate(args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)
