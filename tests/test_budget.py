@@ -56,6 +56,15 @@ def test_flat_cost_keeps_every_node_that_can_be_accepted():
     assert nodes == list(range(7))
 
 
+def test_flat_cost_keeps_even_nodes_whose_probability_vanishes():
+    # Path probabilities of 0 and of 1e-300 (lost when added to 1.6): free all the same.
+    parents = [-1, 0, 1, 2, 0]
+    accept = [1, 0.6, 1e-150, 1e-150, 0.0]
+    assert best_subtree(parents, accept, lambda n: 1.0)[0] == list(range(5))
+    # At any positive price per node they go.
+    assert best_subtree(parents, accept, lambda n: 1 + 0.01 * n)[0] == [0, 1]
+
+
 def test_steep_cost_shrinks_the_tree():
     parents = [-1, 0, 0, 1, 1, 3, 2]
     accept = [1, 0.6, 0.3, 0.5, 0.2, 0.1, 0.05]

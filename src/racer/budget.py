@@ -40,19 +40,24 @@ def path_probabilities(parents: Sequence[int], accept: Sequence[float]) -> list[
 def best_subtree(parents: Sequence[int], accept: Sequence[float],
                  cost: Callable[[int], float]) -> tuple[list[int], float]:
     """The node indices (ascending, root first) of the subtree that maximises expected
-    emitted tokens / ``cost(size)``, and that ratio. Ties go to the smaller tree."""
+    emitted tokens / ``cost(size)``, and that ratio. Ties go to the smaller tree, except
+    where the larger one costs the same: a node that costs nothing is kept, so a flat
+    (GPU-like) curve verifies the whole candidate tree, even nodes whose path
+    probability is too small to change the sum in floating point."""
     probs = path_probabilities(parents, accept)
     depth = [0] * len(parents)
     for i in range(1, len(parents)):
         depth[i] = depth[parents[i]] + 1
     # Most probable first; on ties shallower, then earlier: a parent always precedes its child.
     order = sorted(range(1, len(parents)), key=lambda i: (-probs[i], depth[i], i))
-    best_size, best_rate, expected = 1, 1.0 / _checked(cost, 1), 1.0
+    best_cost = _checked(cost, 1)
+    best_size, best_rate, expected = 1, 1.0 / best_cost, 1.0
     for size, node in enumerate(order, start=2):
         expected += probs[node]
-        rate = expected / _checked(cost, size)
-        if rate > best_rate:
-            best_size, best_rate = size, rate
+        seconds = _checked(cost, size)
+        rate = expected / seconds
+        if rate > best_rate or (rate == best_rate and seconds == best_cost):
+            best_size, best_rate, best_cost = size, rate, seconds
     return sorted([0] + order[: best_size - 1]), best_rate
 
 
