@@ -86,7 +86,7 @@ class AcceptanceModel:
             raise ValueError(f"expected positive strength and memory, got {strength}, {memory}")
         self.strength, self.memory = strength, memory
         self.rng = random.Random(seed)
-        self.counts: dict = {}  # key -> [accepted, tried]
+        self.counts: dict = {}  # key -> (accepted, tried)
         self.groups: dict = {}
 
     def _keys(self, tree: DraftTree) -> list:
@@ -151,6 +151,8 @@ class AcceptanceModel:
 
 
 class CostCurve(Protocol):
+    """What the budget needs of a step-cost model (``racer.cost.CostModel`` is one)."""
+
     def predict(self, nodes: int, cached: int) -> float: ...
 
     def refresh(self, nodes: int, cached: int, seconds: float) -> None: ...
