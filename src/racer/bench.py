@@ -167,7 +167,8 @@ class _Runner:
                                           max_new_tokens=max_new_tokens, **extra)
             wall = time.perf_counter() - start
             tokens = out[0, len(ids):].tolist()
-            steps = None if extra else max(0, len(tokens) - 1)
+            # HF's prompt lookup hides its passes; plain generate makes one per token.
+            steps = None if self.spec == "hf-pld" else max(0, len(tokens) - 1)
             return tokens, dict(steps=steps, accepted=None, tree_sizes=None, wall_s=wall, draft_s=0.0, verify_s=wall)
         result = self.decoder.generate(ids, max_new_tokens=max_new_tokens, **sampling)
         return result.tokens, dict(steps=len(result.steps), accepted=[s.accepted for s in result.steps],

@@ -72,6 +72,11 @@ def _fallback_key(depth: int) -> tuple:
     return ("depth", min(depth, 8))
 
 
+def _group(key: Any) -> Any:
+    """The source a key belongs to: its first element."""
+    return key[0] if isinstance(key, tuple) and key else key
+
+
 class AcceptanceModel:
     """Online estimate of P(node accepted | parent accepted) per evidence key.
 
@@ -96,8 +101,7 @@ class AcceptanceModel:
 
     def _posterior(self, key: Any) -> tuple[float, float]:
         """Beta parameters of a key's rate: its counts over its group's mean."""
-        group = key[0] if isinstance(key, tuple) and key else key
-        gh, gt = self.groups.get(group, (0.0, 0.0))
+        gh, gt = self.groups.get(_group(key), (0.0, 0.0))
         prior = (gh + 1.0) / (gt + 2.0)
         h, t = self.counts.get(key, (0.0, 0.0))
         return h + self.strength * prior, (t - h) + self.strength * (1.0 - prior)
@@ -140,7 +144,7 @@ class AcceptanceModel:
                 hit = 1.0 if i in on_path else 0.0
                 key = keys[i]
                 self._count(self.counts, key, hit)
-                self._count(self.groups, key[0] if isinstance(key, tuple) and key else key, hit)
+                self._count(self.groups, _group(key), hit)
 
     def _count(self, table: dict, key: Any, hit: float) -> None:
         h, t = table.get(key, (0.0, 0.0))

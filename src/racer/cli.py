@@ -259,13 +259,13 @@ def _cmd_datastore(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from racer.cost import cost_file, load_or_measure
+    from racer.cost import cost_file, disk_cache_enabled, load_or_measure
     from racer.loading import load_model
 
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device)
-    cached = cost_file(model).exists() and not args.refresh
+    cached = disk_cache_enabled() and cost_file(model).exists() and not args.refresh
     table = load_or_measure(model, refresh=args.refresh)
     print(f"{'cached in' if cached else 'measured now, saved to'} {table.path or '(not saved)'} ({threads} threads)")
     print("nodes: " + " ".join(f"{n:>6}" for n in table.sizes))

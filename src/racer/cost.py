@@ -146,6 +146,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     smallest and largest size again for the growth terms."""
     import numpy as np
 
+    from racer.tree import chain
     from racer.verify import TreeVerifier, random_tree
 
     verifier = TreeVerifier(model)
@@ -170,10 +171,8 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     for _ in range(repeats):
         for s in sizes:
             best[s] = min(best[s], timed(s))
-    model_ = CostModel(list(sizes), [best[s] for s in sizes], length)
+    table = CostModel(list(sizes), [best[s] for s in sizes], length)
     if grown > 0 and len(sizes) > 1:
-        from racer.tree import chain
-
         chunk = sizes[-1]
         while verifier.cached < length + grown:  # grow the cache with committed chains
             take = min(chunk, length + grown - verifier.cached)
@@ -185,15 +184,20 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
         g_small = (min(timed(small) for _ in range(repeats)) - best[small]) / (at - length)
         g_large = (min(timed(large) for _ in range(repeats)) - best[large]) / (at - length)
         per_node = max((g_large - g_small) / (large - small), 0.0)
-        model_.per_position_node = per_node
-        model_.per_position = max(g_small - per_node * small, 0.0)
-    return model_
+        table.per_position_node = per_node
+        table.per_position = max(g_small - per_node * small, 0.0)
+    return table
+
+
+def disk_cache_enabled() -> bool:
+    """False when RACER_COST_CACHE=0: measure every time, never save."""
+    return os.environ.get("RACER_COST_CACHE", "1") != "0"
 
 
 def load_or_measure(model: Any, refresh: bool = False) -> CostModel:
     """The cost model cached on disk for this model and hardware, measured if absent
     (or if ``refresh``). Set RACER_COST_CACHE=0 to measure every time, never saving."""
-    use_disk = os.environ.get("RACER_COST_CACHE", "1") != "0"
+    use_disk = disk_cache_enabled()
     path = cost_file(model)
     if use_disk and not refresh and path.exists():
         try:

@@ -73,7 +73,9 @@ class DraftTree:
         for new, p in enumerate(parents):
             if p >= 0:
                 children[p][self.tokens[nodes[new]]] = new
-        pick = lambda values: None if values is None else tuple(values[i] for i in nodes)  # noqa: E731
+        def pick(values: tuple | None) -> tuple | None:
+            return None if values is None else tuple(values[i] for i in nodes)
+
         return DraftTree(tuple(self.tokens[i] for i in nodes), tuple(parents),
                          tuple(self.depths[i] for i in nodes), tuple(children), pick(self.sources),
                          pick(self.features))
