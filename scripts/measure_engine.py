@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/measure_engine.py costs
     .venv/bin/python scripts/measure_engine.py agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
+    .venv/bin/python scripts/measure_engine.py kernels --threads 2
 """
 
 from __future__ import annotations
@@ -41,6 +42,39 @@ def costs(threads: int) -> None:
               f"compaction (path of {len(path)}) {statistics.median(commit_us):.0f} us (medians of 50)")
 
 
+def kernels(threads: int, repeats: int = 7) -> None:
+    """Tree passes with the model's own linear layers against WeightMajorLinear: median
+    wall time per size (the two interleaved, a fresh random tree each time, cache of 200
+    tokens), the largest logit difference and how many nodes' argmax differ."""
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    verifier = TreeVerifier(model)
+    verifier.prefill(rng.integers(vocab, size=200).tolist())
+    print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens")
+    base = None
+    for size in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        seconds: dict[bool, list[float]] = {False: [], True: []}
+        diff, flips, nodes = 0.0, 0, 0
+        for _ in range(repeats):
+            tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
+            logits = {}
+            for weight_major in (False, True):
+                verifier.weight_major = frozenset([size] if weight_major else [])
+                start = time.perf_counter()
+                logits[weight_major] = verifier.verify(tree)
+                seconds[weight_major].append(time.perf_counter() - start)
+                verifier.commit([], size)
+            diff = max(diff, float((logits[True] - logits[False]).abs().max()))
+            flips += int((logits[True].argmax(-1) != logits[False].argmax(-1)).sum())
+            nodes += size
+        stock, major = (1000 * statistics.median(seconds[k]) for k in (False, True))
+        base = base or stock
+        print(f"{size:>3} nodes: stock {stock:6.1f} ms ({stock / base:.2f}x one node)   W@x.T {major:6.1f} ms "
+              f"({major / base:.2f}x)   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} nodes")
+
+
 def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     model, tok = racer.load_model(dtype=dtype)
@@ -68,7 +102,7 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement"])
+    parser.add_argument("what", choices=["costs", "agreement", "kernels"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="none,pld,racer:capacity=16")
     parser.add_argument("--tokens", type=int, default=128)
@@ -76,5 +110,7 @@ if __name__ == "__main__":
     a = parser.parse_args()
     if a.what == "costs":
         costs(a.threads)
+    elif a.what == "kernels":
+        kernels(a.threads)
     else:
         agreement(a.dtype, a.methods.split(","), a.tokens, a.threads)

@@ -212,12 +212,25 @@ def test_cost_model_refresh_converges_to_observed_times_and_clips_outliers():
 
 
 def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
-    model = CostModel([1, 2], [0.01, 0.02], length=5, per_position=1e-6, path=str(tmp_path / "c.json"))
+    model = CostModel([1, 2], [0.01, 0.02], length=5, per_position=1e-6, weight_major=[2],
+                      path=str(tmp_path / "c.json"))
     model.save()
     import json
 
     again = CostModel.from_json(json.loads((tmp_path / "c.json").read_text()))
     assert (again.sizes, again.seconds, again.length, again.per_position) == ([1, 2], [0.01, 0.02], 5, 1e-6)
+    assert again.weight_major == [2]
     for sizes, seconds in (([2, 4], [1.0, 1.0]), ([1, 1], [1.0, 1.0]), ([1], [0.0]), ([1, 2], [1.0])):
         with pytest.raises(ValueError, match="cost model"):
             CostModel(sizes, seconds, length=0)
+    for kernel in ([1], [3]):  # the root-only pass always runs stock; only measured sizes
+        with pytest.raises(ValueError, match="weight_major"):
+            CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, weight_major=kernel)
+    with pytest.raises(ValueError, match="unknown format"):  # a table from before the kernel choice
+        CostModel.from_json({**model.to_json(), "format": 1})
+
+
+def test_weight_major_sizes_fill_in_between_measured_winners():
+    model = CostModel([1, 2, 4, 6, 8, 12], [1.0] * 6, length=0, weight_major=[2, 4, 8, 12])
+    assert model.weight_major_sizes() == frozenset({2, 3, 4, 8, 9, 10, 11, 12})
+    assert CostModel([1, 2], [1.0, 1.0], length=0).weight_major_sizes() == frozenset()

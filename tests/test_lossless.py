@@ -3,11 +3,13 @@ tokens of Hugging Face greedy `generate` on the benchmark prompts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions
+from racer.cost import load_or_measure
 from racer.engine import Decoder, encode_prompt
 
 QUESTIONS = lossless_questions()
@@ -26,6 +28,10 @@ RACER_SETTINGS = ["racer", "racer:capacity=16:memory=fresh", "racer:capacity=8",
                   "racer:capacity=64", "racer:memory=fresh", "racer:capacity=64:memory=fresh"]
 OTHER_SETTINGS = ["token-recycling", "logitspec", "rest:datastore={datastore}", "pld:variant=hf",
                   "none", "token-recycling:prefill=true:memory=fresh"]
+# Verification with WeightMajorLinear at every tree size, whatever this machine's cost
+# table chose (it picks the kernel per size by speed; both must be lossless).
+WEIGHT_MAJOR_SETTINGS = ["weight-major racer:capacity=16", "weight-major racer",
+                         "weight-major token-recycling:capacity=8"]
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +48,13 @@ def datastore(real, tmp_path_factory):
 def decoders(real, datastore):
     model, tokenizer = real
     specs = EVERY_PROMPT + RACER_SETTINGS + OTHER_SETTINGS
-    return {spec: Decoder(model, tokenizer, spec.format(datastore=datastore)) for spec in specs}
+    out = {spec: Decoder(model, tokenizer, spec.format(datastore=datastore)) for spec in specs}
+    table = load_or_measure(model)
+    for name in WEIGHT_MAJOR_SETTINGS:
+        forced = replace(table, seconds=list(table.seconds), weight_major=table.sizes[1:], path=None)
+        out[name] = Decoder(model, tokenizer, name.split()[-1], cost=forced)
+        assert out[name].verifier.weight_major >= set(range(2, 65))
+    return out
 
 
 def test_prompt_set_covers_every_category():
@@ -50,7 +62,7 @@ def test_prompt_set_covers_every_category():
     assert len(spec) == 13 and len(QUESTIONS) == 26 + 5 + 5
 
 
-@pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS])
+@pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS, WEIGHT_MAJOR_SETTINGS])
 def test_every_rotating_setting_gets_prompts_from_several_datasets(settings):
     for i, setting in enumerate(settings):
         assert len({q.dataset for q in QUESTIONS[i :: len(settings)]}) >= 2, setting
@@ -63,8 +75,8 @@ def test_every_method_matches_hf_greedy(real, decoders, index):
     ids = encode_prompt(tokenizer, [{"role": "user", "content": question.prompt}], chat=True)
     reference = hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
     mismatched = {}
-    methods = EVERY_PROMPT + [RACER_SETTINGS[index % len(RACER_SETTINGS)],
-                              OTHER_SETTINGS[index % len(OTHER_SETTINGS)]]
+    methods = EVERY_PROMPT + [settings[index % len(settings)]
+                              for settings in (RACER_SETTINGS, OTHER_SETTINGS, WEIGHT_MAJOR_SETTINGS)]
     for method in methods:
         result = decoders[method].generate(ids, max_new_tokens=LOSSLESS_NEW_TOKENS)
         if result.tokens != reference:

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from racer.tree import chain
-from racer.verify import TreeVerifier, UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
+from racer.verify import (TreeVerifier, UnsupportedModelError, WeightMajorLinear, random_tree, self_test,
+                          sequential_logits, tolerance)
 
 
-def _check_tree(model, context, tree):
+def _check_tree(model, context, tree, weight_major=False):
     verifier = TreeVerifier(model)
+    if weight_major:
+        verifier.weight_major = frozenset([len(tree)])
     verifier.prefill(context)
     got = verifier.verify(tree)
     want = sequential_logits(model, context, tree)
@@ -35,6 +38,46 @@ def test_random_trees_match_sequential_decoding_real(real, seed):
     tree = random_tree(rng, model.config.vocab_size, [64, 24, 9][seed], max_depth=8)
     context = rng.integers(model.config.vocab_size, size=12).tolist()
     _check_tree(model, context, tree)
+
+
+@pytest.mark.parametrize("size", [2, 3, 8, 16])
+def test_weight_major_trees_match_sequential_decoding_real(real, size):
+    model, _ = real
+    rng = np.random.default_rng(200 + size)
+    tree = random_tree(rng, model.config.vocab_size, size, max_depth=min(size - 1, 6))
+    context = rng.integers(model.config.vocab_size, size=12).tolist()
+    verifier, got = _check_tree(model, context, tree, weight_major=True)
+    _, stock = _check_tree(model, context, tree)
+    # Where the best two logits are further apart than the two kernels' rounding can
+    # move them, both kernels pick the same token.
+    top2 = stock.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance(verifier.dtype, stock.abs().max().item())
+    assert clear.any()
+    assert torch.equal(got.argmax(-1)[clear], stock.argmax(-1)[clear])
+
+
+def test_weight_major_linear_computes_linear(monkeypatch):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(7, 5), torch.randn(7)
+    products = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: products.append((a.shape, b.shape)) or mm(a, b))
+    for x in (torch.randn(3, 5), torch.randn(1, 4, 5), torch.randn(2, 3, 5)):
+        products.clear()
+        with WeightMajorLinear():
+            out = torch.nn.functional.linear(x, weight, bias)
+            no_bias = torch.nn.functional.linear(x, weight)
+            other = torch.add(x, 1.0)  # anything else passes through
+        rows = x.numel() // 5
+        assert products == [((7, 5), (5, rows))] * 2  # the weight on the left: W @ x.T
+        assert out.shape == (*x.shape[:-1], 7) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
+        torch.testing.assert_close(no_bias, x @ weight.T)
+        torch.testing.assert_close(other, x + 1.0)
+    layer = torch.nn.Linear(5, 7)  # a Parameter weight takes the same path
+    with WeightMajorLinear(), torch.inference_mode():
+        got = layer(torch.ones(2, 5))
+    torch.testing.assert_close(got, layer(torch.ones(2, 5)).detach())
 
 
 def test_wrong_mask_is_detected(tiny):

@@ -154,8 +154,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if drafter.auto_capacity and not cost_file(model).exists():
-        err.print("capacity=auto: timing verification passes once for this model and hardware "
+    if drafter.drafts and not cost_file(model).exists():
+        err.print("timing verification passes once for this model and hardware "
                   f"(cached in {cost_file(model).parent})")
     decoder = Decoder(model, tokenizer, drafter)
     kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw, **sampling)
@@ -270,6 +270,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     print(f"{'cached in' if cached else 'measured now, saved to'} {table.path or '(not saved)'} ({threads} threads)")
     print("nodes: " + " ".join(f"{n:>6}" for n in table.sizes))
     print("ms:    " + " ".join(f"{1000 * t:>6.1f}" for t in table.seconds))
+    print("kernel:" + " ".join(f"{'W@x.T' if n in table.weight_major else 'stock':>6}" for n in table.sizes))
     print(f"at a cache of {table.length} tokens; per extra cached token: "
           f"+{1e6 * table.per_position:.2f} µs per step + {1e6 * table.per_position_node:.3f} µs per node")
     return 0

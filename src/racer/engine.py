@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from racer.budget import CostCurve, DraftBudget
-from racer.cost import load_or_measure
+from racer.cost import CostModel, load_or_measure
 from racer.drafters import Drafter, make_drafter
 from racer.sampling import SamplingParams, TokenChooser
 from racer.tree import DraftTree
@@ -134,7 +134,9 @@ class Decoder:
 
     A drafter with ``capacity=auto`` proposes a generous candidate tree and the draft
     budget keeps the part worth verifying on this hardware: ``cost`` is the step-cost
-    model (default: measured once and cached on disk, see ``racer.cost``)."""
+    model (default: measured once and cached on disk, see ``racer.cost``). A measured
+    ``CostModel`` also says which tree sizes verify faster with ``WeightMajorLinear``,
+    for every drafter that drafts."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter = "none",
                  check: bool = True, cost: CostCurve | None = None) -> None:
@@ -151,6 +153,10 @@ class Decoder:
                              f"got {self.drafter.topk_nodes!r}")
         self.drafter.attach(tokenizer, set(self.end_ids))
         self.budget: DraftBudget | None = None
+        if cost is None and self.drafter.drafts:
+            cost = load_or_measure(model)
+        if isinstance(cost, CostModel):
+            self.verifier.weight_major = cost.weight_major_sizes()
         if self.drafter.auto_capacity:
             self.budget = DraftBudget(cost if cost is not None else load_or_measure(model))
 

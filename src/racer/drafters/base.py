@@ -27,6 +27,8 @@ class Drafter(ABC):
     #: True when the drafter's capacity is "auto": it proposes a generous candidate
     #: tree and the engine's draft budget keeps the part worth verifying.
     auto_capacity: bool = False
+    #: False for a drafter that never proposes more than the root (plain decoding).
+    drafts: bool = True
 
     def attach(self, tokenizer: Any, end_ids: set[int]) -> None:
         """The model this drafter will draft for, told once by the engine: its tokenizer
@@ -70,6 +72,8 @@ def parse_capacity(method: str, value: Any, generous: int) -> tuple[int, bool]:
 
 class NoDrafter(Drafter):
     """Plain autoregressive decoding through the same loop (a one-node tree)."""
+
+    drafts = False
 
     name = "none"
 
