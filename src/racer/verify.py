@@ -65,7 +65,8 @@ class WeightMajorLinear(TorchFunctionMode):
     """Within its scope, computes ``linear(x, W)`` as ``(W @ x.T).T``: the same sums.
     For a few rows of ``x``, some CPU BLAS builds read the weights once per row of
     ``x @ W.T`` but once in all for ``W @ x.T`` (on this project's 2-core EPYC a 4-node
-    pass of the embedded model costs ~1.1x a 1-node pass this way, ~1.7x the stock way).
+    pass of the embedded model costs about one 1-node pass this way, 1.7 the stock way:
+    ``scripts/measure_engine.py kernels``).
     Quantised or subclassed weights pass through untouched. The cost model decides, by
     measurement, for which tree sizes it is used (see ``racer.cost.measure``)."""
 
