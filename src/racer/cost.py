@@ -76,11 +76,9 @@ class CostModel:
         """Tree sizes to verify with ``WeightMajorLinear``: the measured sizes where it
         won, and the sizes between two such neighbours."""
         chosen = set(self.weight_major)
-        out = set(chosen)
-        for low, high in zip(self.sizes, self.sizes[1:]):
-            if low in chosen and high in chosen:
-                out.update(range(low, high + 1))
-        return frozenset(out)
+        between = (range(low, high + 1) for low, high in zip(self.sizes, self.sizes[1:])
+                   if low in chosen and high in chosen)
+        return frozenset(chosen.union(*between))
 
     def refresh(self, nodes: int, cached: int, seconds: float) -> None:
         """Pull the table toward an observed step time (a least-mean-squares step on the
@@ -193,8 +191,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
         for s, k in best:
             best[s, k] = min(best[s, k], timed(s, k))
     chosen = [s for s in sizes if best.get((s, True), float("inf")) < best[s, False]]
-    table = CostModel(list(sizes), [min(best[s, False], best.get((s, True), float("inf"))) for s in sizes],
-                      length, weight_major=chosen)
+    table = CostModel(list(sizes), [best[s, s in chosen] for s in sizes], length, weight_major=chosen)
     if grown > 0 and len(sizes) > 1:
         chunk = sizes[-1]
         verifier.weight_major = frozenset()

@@ -153,12 +153,12 @@ class Decoder:
                              f"got {self.drafter.topk_nodes!r}")
         self.drafter.attach(tokenizer, set(self.end_ids))
         self.budget: DraftBudget | None = None
-        if cost is None and self.drafter.drafts:
+        if cost is None and (self.drafter.drafts or self.drafter.auto_capacity):
             cost = load_or_measure(model)
         if isinstance(cost, CostModel):
             self.verifier.weight_major = cost.weight_major_sizes()
-        if self.drafter.auto_capacity:
-            self.budget = DraftBudget(cost if cost is not None else load_or_measure(model))
+        if self.drafter.auto_capacity and cost is not None:
+            self.budget = DraftBudget(cost)
 
     def _steps(self, ids: list[int], max_new_tokens: int, stop: Sequence[str],
                result: GenerationResult, max_tree: int, sampling: SamplingParams) -> Iterator[list[int]]:
