@@ -17,7 +17,7 @@ import torch
 import racer
 from racer.data import load_questions
 from racer.engine import encode_prompt
-from racer.verify import TreeVerifier, random_tree
+from racer.verify import KERNELS, TreeVerifier, packed_weights, random_tree
 
 
 def costs(threads: int) -> None:
@@ -43,36 +43,40 @@ def costs(threads: int) -> None:
 
 
 def kernels(threads: int, repeats: int = 7) -> None:
-    """Tree passes with the model's own linear layers against WeightMajorLinear: median
-    wall time per size (the two interleaved, a fresh random tree each time, cache of 200
-    tokens), the largest logit difference and how many nodes' argmax differ."""
+    """Tree passes with each linear kernel (the model's own layers, WeightMajorLinear,
+    oneDNN-packed weights): median wall time per size (the kernels interleaved, a fresh
+    random tree each time, cache of 200 tokens), and against the model's own layers the
+    largest logit difference and how many nodes' argmax differ."""
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     verifier = TreeVerifier(model)
     verifier.prefill(rng.integers(vocab, size=200).tolist())
-    print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens")
+    offered = [k for k in KERNELS if k != "packed" or packed_weights(model) is not None]
+    shown = {"model": "stock", "weight_major": "W@x.T", "packed": "packed"}
+    print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens; x: against one stock node")
     base = None
-    for size in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
-        seconds: dict[bool, list[float]] = {False: [], True: []}
+    for size in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        seconds: dict[str, list[float]] = {k: [] for k in offered}
         diff, flips, nodes = 0.0, 0, 0
         for _ in range(repeats):
             tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
             logits = {}
-            for weight_major in (False, True):
-                verifier.weight_major = frozenset([size] if weight_major else [])
+            for kernel in offered:
+                verifier.set_kernels(lambda n: kernel, [kernel])
                 start = time.perf_counter()
-                logits[weight_major] = verifier.verify(tree)
-                seconds[weight_major].append(time.perf_counter() - start)
+                logits[kernel] = verifier.verify(tree)
+                seconds[kernel].append(time.perf_counter() - start)
                 verifier.commit([], size)
-            diff = max(diff, float((logits[True] - logits[False]).abs().max()))
-            flips += int((logits[True].argmax(-1) != logits[False].argmax(-1)).sum())
+            for kernel in offered[1:]:
+                diff = max(diff, float((logits[kernel] - logits["model"]).abs().max()))
+                flips += int((logits[kernel].argmax(-1) != logits["model"].argmax(-1)).sum())
             nodes += size
-        stock, major = (1000 * statistics.median(seconds[k]) for k in (False, True))
-        base = base or stock
-        print(f"{size:>3} nodes: stock {stock:6.1f} ms ({stock / base:.2f}x one node)   W@x.T {major:6.1f} ms "
-              f"({major / base:.2f}x)   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} nodes")
+        ms = {k: 1000 * statistics.median(v) for k, v in seconds.items()}
+        base = base or ms["model"]
+        row = "   ".join(f"{shown[k]} {v:6.1f} ({v / base:.2f}x)" for k, v in ms.items())
+        print(f"{size:>3} nodes: {row}   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} node-kernels")
 
 
 def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None:

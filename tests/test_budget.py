@@ -212,25 +212,29 @@ def test_cost_model_refresh_converges_to_observed_times_and_clips_outliers():
 
 
 def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
-    model = CostModel([1, 2], [0.01, 0.02], length=5, per_position=1e-6, weight_major=[2],
+    model = CostModel([1, 2], [0.01, 0.02], length=5, per_position=1e-6, kernels=["packed", "weight_major"],
                       path=str(tmp_path / "c.json"))
     model.save()
     import json
 
     again = CostModel.from_json(json.loads((tmp_path / "c.json").read_text()))
     assert (again.sizes, again.seconds, again.length, again.per_position) == ([1, 2], [0.01, 0.02], 5, 1e-6)
-    assert again.weight_major == [2]
+    assert again.kernels == ["packed", "weight_major"]
+    assert CostModel([1, 2], [1.0, 1.0], length=0).kernels == ["model", "model"]  # the model's own layers
     for sizes, seconds in (([2, 4], [1.0, 1.0]), ([1, 1], [1.0, 1.0]), ([1], [0.0]), ([1, 2], [1.0])):
         with pytest.raises(ValueError, match="cost model"):
             CostModel(sizes, seconds, length=0)
-    for kernel in ([1], [3]):  # the root-only pass always runs stock; only measured sizes
-        with pytest.raises(ValueError, match="weight_major"):
-            CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, weight_major=kernel)
-    with pytest.raises(ValueError, match="unknown format"):  # a table from before the kernel choice
-        CostModel.from_json({**model.to_json(), "format": 1})
+    for kernels in (["model"], ["model", "model", "fast"]):  # one known kernel per size
+        with pytest.raises(ValueError, match="kernel"):
+            CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, kernels=kernels)
+    for old in (1, 2):  # tables from before the kernel choice, and before the packed kernel
+        with pytest.raises(ValueError, match="unknown format"):
+            CostModel.from_json({**model.to_json(), "format": old})
 
 
-def test_weight_major_sizes_fill_in_between_measured_winners():
-    model = CostModel([1, 2, 4, 6, 8, 12], [1.0] * 6, length=0, weight_major=[2, 4, 8, 12])
-    assert model.weight_major_sizes() == frozenset({2, 3, 4, 8, 9, 10, 11, 12})
-    assert CostModel([1, 2], [1.0, 1.0], length=0).weight_major_sizes() == frozenset()
+def test_unmeasured_sizes_take_the_kernel_of_the_nearest_measured_size():
+    model = CostModel([1, 2, 4, 8, 16], [1.0] * 5, length=0,
+                      kernels=["model", "weight_major", "weight_major", "packed", "model"])
+    got = {n: model.kernel(n) for n in range(1, 40)}
+    assert got[1] == "model" and got[2] == got[3] == got[4] == got[5] == got[6] == "weight_major"  # 6: a tie
+    assert got[7] == got[8] == got[12] == "packed" and got[13] == got[16] == got[39] == "model"

@@ -8,21 +8,24 @@ from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, make_tiny_llama
 from racer.cost import CostModel, cost_file, load_or_measure, measure
 from racer.drafters import make_drafter
 from racer.engine import Decoder, encode_prompt
+from racer.verify import KERNELS
 
 
 def test_measure_times_every_size_that_fits(tiny):
     model = measure(tiny, sizes=(1, 2, 4, 8), length=8, grown=16, repeats=1)
     assert model.sizes == [1, 2, 4, 8] and all(s > 0 for s in model.seconds)
     assert model.per_position >= 0 and model.per_position_node >= 0
-    assert set(model.weight_major) <= {2, 4, 8}  # each size keeps the faster linear kernel
+    assert len(model.kernels) == 4 and set(model.kernels) <= set(KERNELS)  # each size keeps its fastest kernel
 
 
 def test_the_decoder_verifies_with_the_kernel_the_table_chose(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
-    table = CostModel([1, 2, 4, 8], [0.01, 0.011, 0.012, 0.02], length=8, weight_major=[2, 4])
-    assert Decoder(tiny, None, "pld", cost=table).verifier.weight_major == frozenset({2, 3, 4})
-    assert Decoder(tiny, None, "racer:capacity=8", cost=Frozen(0.0)).verifier.weight_major == frozenset()
-    assert Decoder(tiny, None, "none").verifier.weight_major == frozenset()
+    table = CostModel([1, 2, 4, 8], [0.01, 0.011, 0.012, 0.02], length=8,
+                      kernels=["model", "weight_major", "weight_major", "packed"])
+    kernels = Decoder(tiny, None, "pld", cost=table).verifier.kernel_of
+    assert [kernels(n) for n in range(1, 10)] == ["model"] + ["weight_major"] * 5 + ["packed"] * 3
+    assert Decoder(tiny, None, "racer:capacity=8", cost=Frozen(0.0)).verifier.kernel_of(8) == "model"
+    assert Decoder(tiny, None, "none").verifier.kernel_of(8) == "model"
     assert not (tmp_path / "costs").exists()  # plain decoding measures nothing
     Decoder(tiny, None, "pld")
     assert cost_file(tiny).exists()  # any drafter that drafts measures (once) which kernel is faster

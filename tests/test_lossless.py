@@ -11,6 +11,7 @@ import pytest
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions
 from racer.cost import load_or_measure
 from racer.engine import Decoder, encode_prompt
+from racer.verify import packed_weights
 
 QUESTIONS = lossless_questions()
 REPO = Path(__file__).resolve().parents[1]
@@ -28,10 +29,10 @@ RACER_SETTINGS = ["racer", "racer:capacity=16:memory=fresh", "racer:capacity=8",
                   "racer:capacity=64", "racer:memory=fresh", "racer:capacity=64:memory=fresh"]
 OTHER_SETTINGS = ["token-recycling", "logitspec", "rest:datastore={datastore}", "pld:variant=hf",
                   "none", "token-recycling:prefill=true:memory=fresh"]
-# Verification with WeightMajorLinear at every tree size, whatever this machine's cost
-# table chose (it picks the kernel per size by speed; both must be lossless).
-WEIGHT_MAJOR_SETTINGS = ["weight-major racer:capacity=16", "weight-major racer",
-                         "weight-major token-recycling:capacity=8"]
+# Verification with one linear kernel at every tree size, whatever this machine's cost
+# table chose (it picks the kernel per size by speed; every kernel must be lossless).
+FORCED_KERNEL_SETTINGS = ["packed racer:capacity=16", "weight_major racer", "packed token-recycling:capacity=8",
+                          "weight_major racer:capacity=64"]
 
 
 @pytest.fixture(scope="session")
@@ -50,10 +51,13 @@ def decoders(real, datastore):
     specs = EVERY_PROMPT + RACER_SETTINGS + OTHER_SETTINGS
     out = {spec: Decoder(model, tokenizer, spec.format(datastore=datastore)) for spec in specs}
     table = load_or_measure(model)
-    for name in WEIGHT_MAJOR_SETTINGS:
-        forced = replace(table, seconds=list(table.seconds), weight_major=table.sizes[1:], path=None)
-        out[name] = Decoder(model, tokenizer, name.split()[-1], cost=forced)
-        assert out[name].verifier.weight_major >= set(range(2, 65))
+    for name in FORCED_KERNEL_SETTINGS:
+        kernel, method = name.split()
+        forced = replace(table, seconds=list(table.seconds), kernels=[kernel] * len(table.sizes), path=None)
+        out[name] = Decoder(model, tokenizer, method, cost=forced)
+        assert {out[name].verifier.kernel_of(n) for n in range(1, 65)} == {kernel}
+    if packed_weights(model) is None:
+        pytest.fail("no oneDNN-packed weights on this machine: the packed kernel would go unchecked")
     return out
 
 
@@ -62,7 +66,7 @@ def test_prompt_set_covers_every_category():
     assert len(spec) == 13 and len(QUESTIONS) == 26 + 5 + 5
 
 
-@pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS, WEIGHT_MAJOR_SETTINGS])
+@pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS, FORCED_KERNEL_SETTINGS])
 def test_every_rotating_setting_gets_prompts_from_several_datasets(settings):
     for i, setting in enumerate(settings):
         assert len({q.dataset for q in QUESTIONS[i :: len(settings)]}) >= 2, setting
@@ -76,7 +80,7 @@ def test_every_method_matches_hf_greedy(real, decoders, index):
     reference = hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
     mismatched = {}
     methods = EVERY_PROMPT + [settings[index % len(settings)]
-                              for settings in (RACER_SETTINGS, OTHER_SETTINGS, WEIGHT_MAJOR_SETTINGS)]
+                              for settings in (RACER_SETTINGS, OTHER_SETTINGS, FORCED_KERNEL_SETTINGS)]
     for method in methods:
         result = decoders[method].generate(ids, max_new_tokens=LOSSLESS_NEW_TOKENS)
         if result.tokens != reference:

@@ -1,16 +1,17 @@
 """What a decoding step costs on this hardware, as a function of the verified tree's
-size and the cache length: measured once per model/device/dtype/threads (about a few
-seconds), cached on disk, and refreshed from the step timings of real decoding.
+size and the cache length: measured once per model/device/dtype/threads (one pass
+per size and linear kernel, twice), cached on disk, and refreshed from the step timings of real decoding.
 
 Model: ``seconds(n, L) = base(n) + (L - L0) * (per_position + per_position_node * n)``,
 ``base`` piecewise linear over measured sizes at cache length ``L0``. A CPU's curve is
 far from smooth (here a 2- or 3-row matmul costs more than a 4-row one), which is why
 it is a table and not a fitted formula.
 
-Each size is timed with the model's own linear layers and with ``WeightMajorLinear``
-(the same products as ``W @ x.T``); the table keeps the faster, and the verifier uses
-that kernel for that size. Both must give the same logits (checked once, to the
-tolerance of tree verification itself) or the stock kernel is kept everywhere.
+Each size is timed with every linear kernel this model and machine offer (see
+``racer.verify.KERNELS``: the model's own layers, ``WeightMajorLinear``, oneDNN-packed
+weights); the table keeps the fastest, and the verifier uses that kernel for that size.
+A kernel is offered only where it gives the logits the model's own layers give
+(checked once, to the tolerance of tree verification itself).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-FORMAT = 2
+FORMAT = 3
 
 
 @dataclass
@@ -36,7 +37,7 @@ class CostModel:
     length: int
     per_position: float = 0.0  # growth per cached token, per step
     per_position_node: float = 0.0  # growth per cached token, per tree node
-    weight_major: list[int] = field(default_factory=list)  # measured sizes where WeightMajorLinear won
+    kernels: list[str] = field(default_factory=list)  # fastest linear kernel at each size ("model" if empty)
     path: str | None = field(default=None, compare=False)  # where refreshes are saved
     rate: float = 0.1  # how fast step timings pull the table
 
@@ -47,8 +48,11 @@ class CostModel:
             raise ValueError(f"cost model: sizes must start at 1 and increase, got {self.sizes}")
         if not all(s > 0 for s in self.seconds):
             raise ValueError("cost model: times must be positive")
-        if not set(self.weight_major) <= set(self.sizes[1:]):
-            raise ValueError(f"cost model: weight_major must name measured sizes above 1, got {self.weight_major}")
+        from racer.verify import KERNELS
+
+        self.kernels = list(self.kernels) or ["model"] * len(self.sizes)
+        if len(self.kernels) != len(self.sizes) or not set(self.kernels) <= set(KERNELS):
+            raise ValueError(f"cost model: expected one kernel from {KERNELS} per size, got {self.kernels}")
 
     def _bracket(self, n: int) -> tuple[int, int, float]:
         """Indices i, j of the sizes around ``n`` and the weight of j (linear)."""
@@ -72,13 +76,11 @@ class CostModel:
         base = self.base(nodes)
         return max(base + growth, 0.25 * base)
 
-    def weight_major_sizes(self) -> frozenset[int]:
-        """Tree sizes to verify with ``WeightMajorLinear``: the measured sizes where it
-        won, and the sizes between two such neighbours."""
-        chosen = set(self.weight_major)
-        between = (range(low, high + 1) for low, high in zip(self.sizes, self.sizes[1:])
-                   if low in chosen and high in chosen)
-        return frozenset(chosen.union(*between))
+    def kernel(self, n: int) -> str:
+        """The linear kernel to verify ``n`` nodes with: that of the nearest measured
+        size (the smaller on a tie; the largest measured size's beyond the table)."""
+        i, j, w = self._bracket(n)
+        return self.kernels[j] if w > 0.5 else self.kernels[i]
 
     def refresh(self, nodes: int, cached: int, seconds: float) -> None:
         """Pull the table toward an observed step time (a least-mean-squares step on the
@@ -105,7 +107,7 @@ class CostModel:
             raise ValueError("cost model: unknown format")
         return CostModel(list(data["sizes"]), list(data["seconds"]), int(data["length"]),
                          float(data["per_position"]), float(data["per_position_node"]),
-                         [int(n) for n in data["weight_major"]], path)
+                         [str(k) for k in data["kernels"]], path)
 
     def save(self) -> None:
         """Write the (refreshed) table back to its cache file, atomically."""
@@ -159,12 +161,12 @@ def cost_file(model: Any) -> Path:
 def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: int = 192,
             repeats: int = 2) -> CostModel:
     """Time verification passes of random trees of each size on a cache of ``length``
-    tokens (best of ``repeats``, with either linear kernel), then grow the cache by
+    tokens (best of ``repeats``, with each linear kernel on offer), then grow the cache by
     ``grown`` tokens and time the smallest and largest size again for the growth terms."""
     import numpy as np
 
     from racer.tree import chain
-    from racer.verify import TreeVerifier, random_tree
+    from racer.verify import KERNELS, TreeVerifier, random_tree
 
     verifier = TreeVerifier(model)
     vocab = int(model.config.vocab_size)
@@ -175,8 +177,8 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     sizes = [s for s in sizes if length + grown + s < limit] or [1]
     verifier.prefill([int(t) for t in rng.integers(vocab, size=length)])
 
-    def timed(size: int, weight_major: bool) -> float:
-        verifier.weight_major = frozenset([size] if weight_major else [])
+    def timed(size: int, kernel: str) -> float:
+        verifier.set_kernels(lambda n: kernel, [kernel])
         tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
         start = time.perf_counter()
         float(verifier.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
@@ -184,17 +186,18 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
         verifier.commit([], size)  # drop the tree again
         return seconds
 
-    kernels = [False, True] if _weight_major_agrees(verifier, rng, vocab) else [False]
-    timed(sizes[-1], False)  # warm-up: first-call allocations
-    best = {(s, k): float("inf") for s in sizes for k in kernels if s > 1 or not k}
+    offered = [k for k in KERNELS if k == "model" or _kernel_agrees(verifier, rng, vocab, k)]
+    for kernel in offered:
+        timed(sizes[-1], kernel)  # warm-up: first-call allocations
+    best = {(s, k): float("inf") for s in sizes for k in offered}
     for _ in range(repeats):
         for s, k in best:
             best[s, k] = min(best[s, k], timed(s, k))
-    chosen = [s for s in sizes if best.get((s, True), float("inf")) < best[s, False]]
-    table = CostModel(list(sizes), [best[s, s in chosen] for s in sizes], length, weight_major=chosen)
+    chosen = [min(offered, key=lambda k: best[s, k]) for s in sizes]
+    table = CostModel(list(sizes), [best[s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
     if grown > 0 and len(sizes) > 1:
         chunk = sizes[-1]
-        verifier.weight_major = frozenset()
+        verifier.set_kernels(lambda n: "model", ["model"])
         while verifier.cached < length + grown:  # grow the cache with committed chains
             take = min(chunk, length + grown - verifier.cached)
             tree = chain(int(rng.integers(vocab)), [int(t) for t in rng.integers(vocab, size=take - 1)])
@@ -202,27 +205,29 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
             verifier.commit(list(range(take)), take)
         at = verifier.cached
         small, large = sizes[0], sizes[-1]
-        g_small = (min(timed(small, small in chosen) for _ in range(repeats)) - table.seconds[0]) / (at - length)
-        g_large = (min(timed(large, large in chosen) for _ in range(repeats)) - table.seconds[-1]) / (at - length)
+        g_small = (min(timed(small, chosen[0]) for _ in range(repeats)) - table.seconds[0]) / (at - length)
+        g_large = (min(timed(large, chosen[-1]) for _ in range(repeats)) - table.seconds[-1]) / (at - length)
         per_node = max((g_large - g_small) / (large - small), 0.0)
         table.per_position_node = per_node
         table.per_position = max(g_small - per_node * small, 0.0)
     return table
 
 
-def _weight_major_agrees(verifier: Any, rng: Any, vocab: int) -> bool:
-    """Whether ``WeightMajorLinear`` gives this model the logits its own layers give
-    (it cannot for layers that do not call ``linear`` on plain weights, which it leaves
-    alone, so this guards against an exotic modeling file, not against rounding)."""
-    from racer.verify import random_tree, tolerance
+def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
+    """Whether ``kernel`` is available and gives this model the logits its own layers
+    give (a kernel leaves alone layers that do not call ``linear`` on plain weights, so
+    this guards against an exotic modeling file or a broken build, not rounding)."""
+    from racer.verify import packed_weights, random_tree, tolerance
 
+    if kernel == "packed" and packed_weights(verifier.model) is None:
+        return False
     tree = random_tree(rng, vocab, 8, 3)
     logits = []
-    for kernel in (frozenset(), frozenset([len(tree)])):
-        verifier.weight_major = kernel
+    for name in ("model", kernel):
+        verifier.set_kernels(lambda n: name, [name])
         logits.append(verifier.verify(tree).float())
         verifier.commit([], len(tree))
-    verifier.weight_major = frozenset()
+    verifier.set_kernels(lambda n: "model", ["model"])
     error = float((logits[0] - logits[1]).abs().max())
     return error <= tolerance(verifier.dtype, float(logits[0].abs().max()))
 

@@ -135,8 +135,8 @@ class Decoder:
     A drafter with ``capacity=auto`` proposes a generous candidate tree and the draft
     budget keeps the part worth verifying on this hardware: ``cost`` is the step-cost
     model (default: measured once and cached on disk, see ``racer.cost``). A measured
-    ``CostModel`` also says which tree sizes verify faster with ``WeightMajorLinear``,
-    for every drafter that drafts."""
+    ``CostModel`` also says which linear kernel verifies each tree size fastest, for
+    every drafter that drafts."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter = "none",
                  check: bool = True, cost: CostCurve | None = None) -> None:
@@ -156,7 +156,7 @@ class Decoder:
         if cost is None and (self.drafter.drafts or self.drafter.auto_capacity):
             cost = load_or_measure(model)
         if isinstance(cost, CostModel):
-            self.verifier.weight_major = cost.weight_major_sizes()
+            self.verifier.set_kernels(cost.kernel, cost.kernels)
         if self.drafter.auto_capacity and cost is not None:
             self.budget = DraftBudget(cost)
 
