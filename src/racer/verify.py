@@ -95,9 +95,9 @@ class PackedLinear(TorchFunctionMode):
     """Within its scope, computes ``linear(x, W)`` with oneDNN from a copy of ``W``
     packed once into the library's blocked layout (``packed_weights``): the same
     products, without re-packing the weights on every call. On this project's 2-core
-    EPYC it makes 8-32-node passes of the embedded model 15-30 % cheaper than
-    ``WeightMajorLinear`` (``scripts/measure_engine.py kernels``). Weights it holds no
-    copy of pass through untouched."""
+    EPYC, passes of 6-64 nodes of the embedded model cost up to a quarter less than with
+    the faster of the other two kernels (``scripts/measure_engine.py kernels``). Weights
+    it holds no copy of pass through untouched."""
 
     def __init__(self, packed: dict[int, PackedWeight]) -> None:
         super().__init__()
