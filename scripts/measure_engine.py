@@ -17,7 +17,7 @@ import torch
 import racer
 from racer.data import load_questions
 from racer.engine import encode_prompt
-from racer.verify import KERNELS, TreeVerifier, packed_weights, random_tree
+from racer.verify import KERNEL_LABELS, KERNELS, TreeVerifier, packed_weights, random_tree
 
 
 def costs(threads: int) -> None:
@@ -54,7 +54,6 @@ def kernels(threads: int, repeats: int = 7) -> None:
     verifier = TreeVerifier(model)
     verifier.prefill(rng.integers(vocab, size=200).tolist())
     offered = [k for k in KERNELS if k != "packed" or packed_weights(model) is not None]
-    shown = {"model": "stock", "weight_major": "W@x.T", "packed": "packed"}
     print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens; x: against one stock node")
     base = None
     for size in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
@@ -64,7 +63,7 @@ def kernels(threads: int, repeats: int = 7) -> None:
             tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
             logits = {}
             for kernel in offered:
-                verifier.set_kernels(lambda n: kernel, [kernel])
+                verifier.use_kernel(kernel)
                 start = time.perf_counter()
                 logits[kernel] = verifier.verify(tree)
                 seconds[kernel].append(time.perf_counter() - start)
@@ -75,7 +74,7 @@ def kernels(threads: int, repeats: int = 7) -> None:
             nodes += size
         ms = {k: 1000 * statistics.median(v) for k, v in seconds.items()}
         base = base or ms["model"]
-        row = "   ".join(f"{shown[k]} {v:6.1f} ({v / base:.2f}x)" for k, v in ms.items())
+        row = "   ".join(f"{KERNEL_LABELS[k]} {v:6.1f} ({v / base:.2f}x)" for k, v in ms.items())
         print(f"{size:>3} nodes: {row}   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} node-kernels")
 
 

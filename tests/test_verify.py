@@ -12,7 +12,7 @@ from racer.verify import (PackedLinear, TreeVerifier, UnsupportedModelError, Wei
 
 def _check_tree(model, context, tree, kernel="model"):
     verifier = TreeVerifier(model)
-    verifier.set_kernels(lambda n: kernel, [kernel])
+    verifier.use_kernel(kernel)
     verifier.prefill(context)
     got = verifier.verify(tree)
     want = sequential_logits(model, context, tree)

@@ -261,6 +261,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
     from racer.cost import cost_file, disk_cache_enabled, load_or_measure
     from racer.loading import load_model
+    from racer.verify import KERNEL_LABELS
 
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
@@ -270,8 +271,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     print(f"{'cached in' if cached else 'measured now, saved to'} {table.path or '(not saved)'} ({threads} threads)")
     print("nodes: " + " ".join(f"{n:>6}" for n in table.sizes))
     print("ms:    " + " ".join(f"{1000 * t:>6.1f}" for t in table.seconds))
-    shown = {"model": "stock", "weight_major": "W@x.T", "packed": "packed"}
-    print("kernel:" + " ".join(f"{shown[k]:>6}" for k in table.kernels))
+    print("kernel:" + " ".join(f"{KERNEL_LABELS[k]:>6}" for k in table.kernels))
     print(f"at a cache of {table.length} tokens; per extra cached token: "
           f"+{1e6 * table.per_position:.2f} µs per step + {1e6 * table.per_position_node:.3f} µs per node")
     return 0

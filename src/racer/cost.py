@@ -1,6 +1,7 @@
 """What a decoding step costs on this hardware, as a function of the verified tree's
 size and the cache length: measured once per model/device/dtype/threads (one pass
-per size and linear kernel, twice), cached on disk, and refreshed from the step timings of real decoding.
+per size and linear kernel, twice), cached on disk, and refreshed from the step
+timings of real decoding.
 
 Model: ``seconds(n, L) = base(n) + (L - L0) * (per_position + per_position_node * n)``,
 ``base`` piecewise linear over measured sizes at cache length ``L0``. A CPU's curve is
@@ -178,7 +179,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     verifier.prefill([int(t) for t in rng.integers(vocab, size=length)])
 
     def timed(size: int, kernel: str) -> float:
-        verifier.set_kernels(lambda n: kernel, [kernel])
+        verifier.use_kernel(kernel)
         tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
         start = time.perf_counter()
         float(verifier.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
@@ -197,7 +198,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     table = CostModel(list(sizes), [best[s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
     if grown > 0 and len(sizes) > 1:
         chunk = sizes[-1]
-        verifier.set_kernels(lambda n: "model", ["model"])
+        verifier.use_kernel("model")
         while verifier.cached < length + grown:  # grow the cache with committed chains
             take = min(chunk, length + grown - verifier.cached)
             tree = chain(int(rng.integers(vocab)), [int(t) for t in rng.integers(vocab, size=take - 1)])
@@ -224,10 +225,9 @@ def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
     tree = random_tree(rng, vocab, 8, 3)
     logits = []
     for name in ("model", kernel):
-        verifier.set_kernels(lambda n: name, [name])
+        verifier.use_kernel(name)
         logits.append(verifier.verify(tree).float())
         verifier.commit([], len(tree))
-    verifier.set_kernels(lambda n: "model", ["model"])
     error = float((logits[0] - logits[1]).abs().max())
     return error <= tolerance(verifier.dtype, float(logits[0].abs().max()))
 

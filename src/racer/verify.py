@@ -62,7 +62,27 @@ _LINEAR = torch._C._nn.linear
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-class WeightMajorLinear(TorchFunctionMode):
+class _LinearMode(TorchFunctionMode):
+    """Within its scope, hands every ``linear(x, W)`` on plain tensors of one dtype to
+    ``_rows`` as a 2-D ``x``; where ``_rows`` returns None the call runs as usual."""
+
+    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _LINEAR and len(args) >= 2:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (type(x) in _PLAIN and type(weight) in _PLAIN and x.dtype == weight.dtype
+                    and (bias is None or type(bias) in _PLAIN)):
+                out = self._rows(x.reshape(-1, x.shape[-1]), weight, bias)
+                if out is not None:
+                    return out.view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
+class WeightMajorLinear(_LinearMode):
     """Within its scope, computes ``linear(x, W)`` as ``(W @ x.T).T``: the same sums.
     For a few rows of ``x``, some CPU BLAS builds read the weights once per row of
     ``x @ W.T`` but once in all for ``W @ x.T`` (on this project's 2-core EPYC a 4-node
@@ -71,19 +91,13 @@ class WeightMajorLinear(TorchFunctionMode):
     Quantised or subclassed weights pass through untouched. The cost model decides, by
     measurement, for which tree sizes it is used (see ``racer.cost.measure``)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _LINEAR and len(args) >= 2:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (type(x) in _PLAIN and type(weight) in _PLAIN and weight.dim() == 2 and x.dtype == weight.dtype
-                    and (bias is None or type(bias) in _PLAIN)):
-                rows = x.reshape(-1, x.shape[-1])
-                out = torch.mm(weight, rows.t()).t().contiguous()
-                if bias is not None:
-                    out += bias
-                return out.view(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
+    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if weight.dim() != 2:
+            return None
+        out = torch.mm(weight, rows.t()).t().contiguous()
+        if bias is not None:
+            out += bias
+        return out
 
 
 # (the weight, its version counter when packed, the packed copy)
@@ -91,7 +105,7 @@ PackedWeight = tuple[torch.Tensor, int, torch.Tensor]
 _packed: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-class PackedLinear(TorchFunctionMode):
+class PackedLinear(_LinearMode):
     """Within its scope, computes ``linear(x, W)`` with oneDNN from a copy of ``W``
     packed once into the library's blocked layout (``packed_weights``): the same
     products, without re-packing the weights on every call. On this project's 2-core
@@ -103,20 +117,13 @@ class PackedLinear(TorchFunctionMode):
         super().__init__()
         self.packed = packed
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _LINEAR and len(args) >= 2:
-            x, weight = args[0], args[1]
-            entry = self.packed.get(id(weight))
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            # The version check: a weight changed in place since packing (fine-tuning,
-            # a loaded adapter) runs the model's own layer, never its stale copy.
-            if (entry is not None and entry[0] is weight and entry[1] == weight._version and type(x) in _PLAIN
-                    and x.dtype == weight.dtype and (bias is None or type(bias) in _PLAIN)):
-                rows = x.reshape(-1, x.shape[-1])
-                out = torch.ops.mkldnn._linear_pointwise(rows, entry[2], bias, "none", [], "")
-                return out.view(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
+    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        entry = self.packed.get(id(weight))
+        # The version check: a weight changed in place since packing (fine-tuning, a
+        # loaded adapter) runs the model's own layer, never its stale copy.
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            return None
+        return torch.ops.mkldnn._linear_pointwise(rows, entry[2], bias, "none", [], "")
 
 
 def _available_memory() -> int:
@@ -160,6 +167,7 @@ def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
 
 
 KERNELS = ("model", "weight_major", "packed")
+KERNEL_LABELS = {"model": "stock", "weight_major": "W@x.T", "packed": "packed"}  # for printed tables
 
 
 def _model_kernel(size: int) -> str:
@@ -203,6 +211,10 @@ class TreeVerifier:
             raise ValueError(f"kernels: expected names from {KERNELS}, got {sorted(used)}")
         self._packed = packed_weights(self.model) if "packed" in used else None
         self.kernel_of = kernel_of
+
+    def use_kernel(self, kernel: str) -> None:
+        """Verify trees of every size with ``kernel``."""
+        self.set_kernels(lambda n: kernel, [kernel])
 
     # -- forward passes -------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
