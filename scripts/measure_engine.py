@@ -3,6 +3,7 @@
     .venv/bin/python scripts/measure_engine.py costs
     .venv/bin/python scripts/measure_engine.py agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
     .venv/bin/python scripts/measure_engine.py kernels --threads 2
+    .venv/bin/python scripts/measure_engine.py attention --threads 2
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import racer
 from racer.data import load_questions
 from racer.engine import encode_prompt
+from racer.tree import chain
 from racer.verify import KERNEL_LABELS, KERNELS, TreeVerifier, packed_weights, random_tree
 
 
@@ -78,6 +80,43 @@ def kernels(threads: int, repeats: int = 7) -> None:
         print(f"{size:>3} nodes: {row}   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} node-kernels")
 
 
+def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
+    """Tree passes with the stock SDPA path (the cache's KV heads repeated for the mask)
+    and with tree attention (``racer.attention``), interleaved on the same random trees
+    and chains: median ms per pass and the largest logit difference between the two."""
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    verifier = TreeVerifier(model)
+    grouped = verifier.tree_attention
+    if grouped is None:
+        print("tree attention does not apply to this model")
+        return
+    verifier.use_kernel("packed" if packed_weights(model) is not None else "model")
+    verifier.prefill(rng.integers(vocab, size=cached).tolist())
+    print(f"{threads} threads; ms per pass, median of {repeats}; cache {cached} tokens; "
+          f"{model.config.num_attention_heads} query heads, {model.config.num_key_value_heads} KV heads")
+    for shape in ("tree", "chain"):
+        for size in (2, 4, 8, 12, 16, 32):
+            seconds: dict[str, list[float]] = {"stock": [], "tree attention": []}
+            diff = 0.0
+            for _ in range(repeats):
+                tree = (random_tree(rng, vocab, size, max(1, min(size - 1, 6))) if shape == "tree"
+                        else chain(int(rng.integers(vocab)), rng.integers(vocab, size=size - 1).tolist()))
+                logits = []
+                for name in seconds:
+                    verifier.tree_attention = grouped if name == "tree attention" else None
+                    start = time.perf_counter()
+                    logits.append(verifier.verify(tree))
+                    seconds[name].append(time.perf_counter() - start)
+                    verifier.commit([], size)
+                diff = max(diff, float((logits[0] - logits[1]).abs().max()))
+            stock, grouped_ms = (1000 * statistics.median(v) for v in seconds.values())
+            print(f"{shape:>5} of {size:>2}: stock {stock:6.1f}   tree attention {grouped_ms:6.1f} "
+                  f"({grouped_ms / stock:.2f}x)   max |logit diff| {diff:.1e}")
+
+
 def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     model, tok = racer.load_model(dtype=dtype)
@@ -105,7 +144,7 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement", "kernels"])
+    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="none,pld,racer:capacity=16")
     parser.add_argument("--tokens", type=int, default=128)
@@ -115,5 +154,7 @@ if __name__ == "__main__":
         costs(a.threads)
     elif a.what == "kernels":
         kernels(a.threads)
+    elif a.what == "attention":
+        attention(a.threads)
     else:
         agreement(a.dtype, a.methods.split(","), a.tokens, a.threads)

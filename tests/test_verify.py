@@ -1,6 +1,8 @@
 """Tree verification: every node's logits match sequential decoding of its path, and
 decoding continues correctly after KV compaction."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -172,3 +174,90 @@ def test_tree_too_deep_for_the_context_window_is_refused(tiny):
     verifier.prefill(list(range(90)))
     with pytest.raises(ValueError, match="context window"):
         verifier.verify(chain(1, list(range(2, 10))))  # depth 8 at position 90 + 8 > 96
+
+
+def _sdpa_spy(monkeypatch):
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, **kwargs):
+        calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("shape", ["tree", "chain"])
+def test_tree_attention_reads_grouped_kv_heads_in_place(real, monkeypatch, shape):
+    """On the real model (3 KV heads for 9 query heads), branching trees and chains of
+    several tokens attend to the cache's own KV heads: no layer sees them repeated."""
+    model, _ = real
+    rng = np.random.default_rng(7)
+    tree = random_tree(rng, model.config.vocab_size, 9, 4) if shape == "tree" else chain(5, [6, 7, 8])
+    context = rng.integers(model.config.vocab_size, size=12).tolist()
+    verifier = TreeVerifier(model)
+    assert verifier.tree_attention is not None
+    verifier.prefill(context)
+    calls = _sdpa_spy(monkeypatch)
+    got = verifier.verify(tree)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(gqa and heads == groups * kv_heads for heads, kv_heads, gqa in calls)
+    assert model.config._attn_implementation == "sdpa"  # switched for the pass only
+    want = sequential_logits(model, context, tree)
+    assert (got - want).abs().max().item() <= tolerance(verifier.dtype, want.abs().max().item())
+    verifier.tree_attention = None  # the stock path: the same logits
+    verifier.prefill(context)
+    assert (verifier.verify(tree) - got).abs().max().item() <= tolerance(verifier.dtype, want.abs().max().item())
+
+
+def test_tree_attention_gives_the_config_back_when_a_pass_fails(tiny):
+    verifier = TreeVerifier(tiny)
+    if verifier.tree_attention is None:
+        assert tiny.config._attn_implementation == "eager"
+        return
+    verifier.prefill([1, 2, 3])
+    tree = random_tree(np.random.default_rng(0), tiny.config.vocab_size, 5, 2)
+    tree = dataclasses.replace(tree, tokens=(10**6,) + tree.tokens[1:])  # past the embedding table: the pass raises
+    with pytest.raises(Exception):
+        verifier.verify(tree)
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_tree_attention_applies_only_where_it_is_exact(monkeypatch):
+    from conftest import make_tiny_llama
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from racer.attention import tree_attention
+
+    assert tree_attention(make_tiny_llama("sdpa")) is not None
+    assert tree_attention(make_tiny_llama("eager")) is None  # eager layers: their own arithmetic
+    no_groups = make_tiny_llama("sdpa")
+    for layer in no_groups.model.layers:
+        layer.self_attn.num_key_value_groups = 1
+    assert tree_attention(no_groups) is None  # nothing repeated to save
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **k: None)
+    assert tree_attention(make_tiny_llama("sdpa")) is None  # the user's own "sdpa" is kept
+
+
+def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch):
+    """Calls without a mask, without grouped heads, or with arguments that change the
+    attention (soft-capping, windows, sinks) go to transformers' own SDPA attention."""
+    import racer.attention as attention
+
+    stock = []
+    monkeypatch.setattr(attention, "_stock_sdpa", lambda: lambda *a, **k: stock.append(k) or ("stock", None))
+    layer = type("Layer", (), {"num_key_value_groups": 2})()
+    query, key = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 10, 8)
+    mask = torch.zeros(1, 1, 3, 10)
+    assert attention.tree_sdpa(layer, query, key, key, None)[0] == "stock"
+    assert attention.tree_sdpa(layer, query, key, key, mask, softcap=30.0)[0] == "stock"
+    assert attention.tree_sdpa(layer, query, key, key, mask, sliding_window=4)[0] == "stock"
+    assert attention.tree_sdpa(type("Layer", (), {})(), query, key.repeat(1, 2, 1, 1), key, mask)[0] == "stock"
+    assert len(stock) == 4
+    out, _ = attention.tree_sdpa(layer, query, key, key, mask, scaling=0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), key.repeat_interleave(2, dim=1), attn_mask=mask, scale=0.5)
+    assert len(stock) == 4 and out.shape == (1, 3, 4, 8)
+    torch.testing.assert_close(out, want.transpose(1, 2))

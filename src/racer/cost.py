@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-FORMAT = 3
+FORMAT = 4  # 4: timed with tree attention (racer.attention); older tables are re-measured
 
 
 @dataclass

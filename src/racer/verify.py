@@ -9,12 +9,14 @@ from __future__ import annotations
 import inspect
 import os
 import weakref
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from racer.attention import TreeAttention, tree_attention
 from racer.tree import DraftTree, TreeBuilder
 
 
@@ -200,6 +202,9 @@ class TreeVerifier:
         # by the measured cost model (``set_kernels``).
         self.kernel_of: Callable[[int], str] = _model_kernel
         self._packed: dict[int, PackedWeight] | None = None
+        # Grouped-query attention of branching trees without repeating the cache's KV
+        # heads (None where it does not apply: see ``racer.attention``).
+        self.tree_attention: TreeAttention | None = tree_attention(model)
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every
@@ -259,16 +264,22 @@ class TreeVerifier:
             raise ValueError("tree would run past the model's context window")
         ids = torch.tensor([tree.tokens], dtype=torch.long, device=self.device)
         positions = (torch.tensor(tree.depths, dtype=torch.long, device=self.device) + self.cached).unsqueeze(0)
-        # A chain needs nothing but the model's own causal mask, which is cheaper.
-        mask = None if tree.is_chain else self.tree_mask(tree)
+        # A chain needs nothing but the model's own causal mask, but for more than one
+        # new token that mask sends grouped-query layers down the path that repeats the
+        # cache's KV heads, which tree attention avoids.
+        if tree.is_chain and (n == 1 or self.tree_attention is None):
+            mask = None
+        else:
+            mask = self.tree_mask(tree)
         kernel = self.kernel_of(n)
+        linear: Any = nullcontext()
         if kernel == "weight_major":
-            with WeightMajorLinear():
-                return self._forward(ids, positions, mask, n)
-        if kernel == "packed" and self._packed:
-            with PackedLinear(self._packed):
-                return self._forward(ids, positions, mask, n)
-        return self._forward(ids, positions, mask, n)
+            linear = WeightMajorLinear()
+        elif kernel == "packed" and self._packed:
+            linear = PackedLinear(self._packed)
+        attention = self.tree_attention if mask is not None and self.tree_attention is not None else nullcontext()
+        with linear, attention:
+            return self._forward(ids, positions, mask, n)
 
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if hasattr(self.cache, "layers"):

@@ -1,0 +1,102 @@
+"""Grouped-query attention over a tree mask without copying the KV cache.
+
+Given a custom mask, Hugging Face's SDPA attention first repeats every key and value
+head of the whole cache up to the number of query heads, because on CUDA torch's
+grouped-query SDPA falls back to its slowest kernel when a mask is given. On the CPU,
+torch's SDPA takes the mask and the grouped heads together, and the repeat is a copy of
+the cache in every layer of every tree pass: 5-9 % of a tree pass of the embedded model
+(3 KV heads for 9 query heads, 500 cached tokens) on this project's 2-core EPYC
+(``scripts/measure_engine.py attention``).
+
+``tree_attention(model)`` switches the model's SDPA layers, for the duration of one
+tree pass, to ``tree_sdpa``, registered with transformers' ``AttentionInterface``; no
+model file or module is changed. The switch holds the model's config for that pass, so
+a model shared between threads must not run another forward pass at the same time.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+NAME = "racer_tree_sdpa"
+# Keyword arguments with which some families' layers change the attention itself
+# (soft-capping, sinks, position biases, windows): those calls keep the stock path.
+_ALTERING = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
+
+
+def _stock_sdpa() -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except that a masked call on grouped KV heads
+    attends to the cache's heads in place (``enable_gqa``) instead of to a repeated copy.
+    Arguments and result as ``transformers.integrations.sdpa_attention.sdpa_attention_forward``."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1 and key.shape[1] < query.shape[1]
+    if (not grouped or attention_mask is None or attention_mask.dim() != 4 or dropout
+            or any(kwargs.get(name) is not None for name in _ALTERING)):
+        return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class TreeAttention:
+    """Context manager: within it, the given configs name ``tree_sdpa`` as their
+    attention implementation; on leaving, each gets its own back."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+        self._saved: list[Any] = []
+
+    def __enter__(self) -> "TreeAttention":
+        self._saved = [config._attn_implementation for config in self.configs]
+        for config in self.configs:
+            config._attn_implementation = NAME
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for config, saved in zip(self.configs, self._saved):
+            config._attn_implementation = saved
+
+
+def tree_attention(model: Any) -> TreeAttention | None:
+    """A ``TreeAttention`` for ``model``'s grouped-query SDPA layers, or None where it
+    does not apply: not a CPU model, no grouped KV heads, layers that do not dispatch
+    through transformers' ``AttentionInterface`` by name, a torch without
+    ``enable_gqa`` (before 2.5), or an "sdpa" the user has replaced with their own."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # transformers < 4.50
+        return None
+    if next(model.parameters()).device.type != "cpu" or tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
+        return None
+    if ALL_ATTENTION_FUNCTIONS.get("sdpa") is not _stock_sdpa():
+        return None
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(module, "num_key_value_groups", 1) <= 1 or config is None:
+            continue
+        # A config with sub-configs would hand the switch down to them and take their
+        # own implementations away on the way back.
+        if getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+            return None
+        # Layers that pick their attention function by the config's name look it up
+        # in the registry their modeling file imports.
+        if not hasattr(sys.modules.get(type(module).__module__), "ALL_ATTENTION_FUNCTIONS"):
+            return None
+        configs[id(config)] = config
+    if not configs:
+        return None
+    if NAME not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(NAME, tree_sdpa)
+    return TreeAttention(list(configs.values()))
