@@ -4,6 +4,7 @@
     .venv/bin/python scripts/measure_engine.py agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
     .venv/bin/python scripts/measure_engine.py kernels --threads 2
     .venv/bin/python scripts/measure_engine.py attention --threads 2
+    .venv/bin/python scripts/measure_engine.py evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 
 import numpy as np
 import torch
 
 import racer
+from racer.budget import evidence_levels
 from racer.data import load_questions
 from racer.engine import encode_prompt
-from racer.tree import chain
+from racer.tree import DraftTree, chain
 from racer.verify import KERNEL_LABELS, KERNELS, TreeVerifier, packed_weights, random_tree
 
 
@@ -117,6 +120,58 @@ def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
                   f"({grouped_ms / stock:.2f}x)   max |logit diff| {diff:.1e}")
 
 
+def _followed(tree: DraftTree, truth: list[int]) -> list[int]:
+    """The nodes of ``tree`` on the path the model took (root first)."""
+    path = [0]
+    while tree.depths[path[-1]] < len(truth):
+        child = tree.child(path[-1], truth[tree.depths[path[-1]]])
+        if child is None:
+            break
+        path.append(child)
+    return path
+
+
+def evidence(dataset: str, limit: int, tokens: int, threads: int, method: str = "racer") -> None:
+    """How often the candidate nodes of a capacity=auto drafter are right, by evidence
+    key (every level the draft budget learns at): over the whole candidate tree, not
+    only the part the budget verified, a node whose parent lies on the path the model
+    took is a try, and a hit if it is the model's next token there."""
+    torch.set_num_threads(threads)
+    model, tok = racer.load_model()
+    decoder = racer.Decoder(model, tok, method)
+    if decoder.budget is None:
+        raise SystemExit(f"{method}: expected a drafter with capacity=auto")
+    steps: list[tuple[DraftTree, DraftTree]] = []
+    select = decoder.budget.select
+
+    def recording(tree: DraftTree, cached: int) -> DraftTree:
+        chosen = select(tree, cached)
+        steps.append((tree, chosen))
+        return chosen
+
+    decoder.budget.select = recording
+    tries: Counter = Counter()
+    hits: Counter = Counter()
+    for q in load_questions(dataset, limit):
+        steps.clear()
+        out = decoder.generate([{"role": "user", "content": q.prompt}], chat=True, max_new_tokens=tokens).tokens
+        at = 1  # out[at - 1] is the root of the next step
+        for tree, chosen in steps:
+            truth = out[at:]
+            on_path = set(_followed(tree, truth))
+            for i in range(1, len(tree)):
+                if tree.parents[i] in on_path and tree.features is not None:
+                    for level in evidence_levels(tree.features[i]):
+                        tries[level] += 1
+                        hits[level] += i in on_path
+            at += len(_followed(chosen, truth))
+    print(f"{method} on {dataset} (first {limit} per category), {tokens} new tokens: candidate nodes whose "
+          "parent was on the model's path, by evidence key")
+    for level in sorted(tries, key=lambda k: (k[0], len(k) > 2, k)):
+        if len(level) > 1 and tries[level] >= 30:
+            print(f"  {str(level):32s} tries {tries[level]:6d}   right {hits[level] / tries[level]:6.1%}")
+
+
 def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None:
     torch.set_num_threads(threads)
     model, tok = racer.load_model(dtype=dtype)
@@ -144,7 +199,10 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention"])
+    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence"])
+    parser.add_argument("--dataset", default="human_eval")
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="none,pld,racer:capacity=16")
     parser.add_argument("--tokens", type=int, default=128)
@@ -156,5 +214,7 @@ if __name__ == "__main__":
         kernels(a.threads)
     elif a.what == "attention":
         attention(a.threads)
+    elif a.what == "evidence":
+        evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:
         agreement(a.dtype, a.methods.split(","), a.tokens, a.threads)

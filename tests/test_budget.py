@@ -86,7 +86,7 @@ def test_bad_input():
 
 
 # -- the acceptance model and the budget that uses it -------------------------------------
-from racer.budget import AcceptanceModel, DraftBudget  # noqa: E402
+from racer.budget import AcceptanceModel, DraftBudget, evidence_levels  # noqa: E402
 from racer.cost import CostModel  # noqa: E402
 from racer.tree import DraftTree, TreeBuilder  # noqa: E402
 
@@ -146,6 +146,25 @@ def test_unseen_feature_leans_on_its_group():
     assert model.estimate(("depth", 1)) > 0.9 and model.estimate(("depth", 2)) < 0.1
 
 
+def test_unseen_key_leans_on_its_closest_level():
+    # Rank-0 copy-logit nodes have only ever been tried at depth 1, and always accepted;
+    # ranks 1-4 never. A rank-0 node at depth 3 starts from rank 0's record, not from
+    # the source's average (1 in 5).
+    model = AcceptanceModel()
+    b = TreeBuilder(0, 10)
+    for rank in range(5):
+        b.add_child(0, 10 + rank, feature=("logits", rank, 1))
+    tree = b.build()
+    for _ in range(200):
+        model.observe(tree, [0, tree.child(0, 10)])
+    assert model.estimate(("logits", 0, 3)) > 0.9
+    assert model.estimate(("logits", 3, 3)) < 0.05
+    assert model.estimate(("logits", 7, 3)) == pytest.approx(0.2, abs=0.03)  # an unseen rank: the source's rate
+    assert model.estimate(("unseen", 1)) == pytest.approx(0.5)  # nothing known: the uniform prior
+    assert evidence_levels(("logits", 0, 3)) == [("logits",), ("logits", 0), ("logits", 0, 3)]
+    assert evidence_levels("flat") == ["flat"]
+
+
 class Fixed:
     def __init__(self, curve):
         self.curve, self.seen = curve, []
@@ -200,15 +219,27 @@ def test_cost_model_interpolates_and_grows_with_the_cache():
 
 def test_cost_model_refresh_converges_to_observed_times_and_clips_outliers():
     model = CostModel([1, 8, 64], [0.05, 0.10, 0.30], length=0)
-    for _ in range(200):
+    for _ in range(400):
         model.refresh(8, 0, 0.14)
     assert model.predict(8, 0) == pytest.approx(0.14, rel=1e-3)
-    assert model.predict(1, 0) == pytest.approx(0.05) and model.predict(64, 0) == pytest.approx(0.30)
+    # The sizes never observed moved with the scale, keeping their ratio.
+    assert model.predict(1, 0) > 0.05 and model.predict(64, 0) > 0.30
+    assert model.predict(64, 0) / model.predict(1, 0) == pytest.approx(6.0)
     before = model.predict(8, 0)
-    model.refresh(8, 0, 100.0)  # a stall: moves by at most rate x half the prediction
-    assert model.predict(8, 0) <= before * (1 + 0.5 * model.rate) + 1e-12
+    model.refresh(8, 0, 100.0)  # a stall: moves by at most half the prediction times both rates
+    assert model.predict(8, 0) <= before * (1 + 0.5 * (model.rate + model.drift)) + 1e-12
     model.refresh(4, 0, 0.12)  # between two sizes: both move
     assert model.seconds[0] != 0.05 and model.seconds[1] != pytest.approx(0.14, rel=1e-6)
+
+
+def test_a_busier_machine_moves_every_size_not_only_those_verified():
+    # Only 4-node steps are seen, at twice the predicted time: the 64-node prediction
+    # must follow, or the budget would think large trees had become relatively cheap.
+    model = CostModel([1, 4, 16, 64], [0.10, 0.10, 0.15, 0.30], length=0)
+    for _ in range(300):
+        model.refresh(4, 0, 0.20)
+    assert model.predict(4, 0) == pytest.approx(0.20, rel=1e-2)
+    assert model.predict(64, 0) / model.predict(4, 0) == pytest.approx(3.0, rel=0.15)
 
 
 def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
@@ -227,7 +258,7 @@ def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
     for kernels in (["model"], ["model", "model", "fast"]):  # one known kernel per size
         with pytest.raises(ValueError, match="kernel"):
             CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, kernels=kernels)
-    for old in (1, 2, 3):  # tables from before the kernel choice, the packed kernel, tree attention
+    for old in (1, 2, 3, 4):  # before the kernel choice, the packed kernel, tree attention, the curve's scale
         with pytest.raises(ValueError, match="unknown format"):
             CostModel.from_json({**model.to_json(), "format": old})
 

@@ -18,6 +18,26 @@ def test_measure_times_every_size_that_fits(tiny):
     assert len(model.kernels) == 4 and set(model.kernels) <= set(KERNELS)  # each size keeps its fastest kernel
 
 
+def test_measure_times_the_long_cache_within_the_same_shuffled_rounds(tiny, monkeypatch):
+    # The growth terms are differences between a short and a long cache; timed minutes
+    # apart they would measure the machine's drift instead.
+    from racer import verify
+
+    seen = []
+    original = verify.TreeVerifier.verify
+
+    def spy(self, tree):
+        seen.append(self.cached)
+        return original(self, tree)
+
+    monkeypatch.setattr(verify.TreeVerifier, "verify", spy)
+    measure(tiny, sizes=(1, 2, 4, 8), length=8, grown=16, repeats=2)
+    far = [i for i, cached in enumerate(seen) if cached == 24]
+    near = [i for i, cached in enumerate(seen) if cached == 8]
+    assert len(far) >= 2 * 2  # sizes 1 and 8 in each of 2 rounds, with every kernel on offer
+    assert any(min(far) < i < max(far) for i in near)  # interleaved, not one block after the other
+
+
 def test_the_decoder_verifies_with_the_kernel_the_table_chose(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     table = CostModel([1, 2, 4, 8], [0.01, 0.011, 0.012, 0.02], length=8,

@@ -125,15 +125,24 @@ def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
     # the border is "1 2 3" (depth 3); 4 continues it 3 times in 4, 9 once in 4.
     prompt = [1, 2, 3, 4, 7, 1, 2, 3, 4, 8, 1, 2, 3, 4, 5, 1, 2, 3, 9, 6, 1, 2]
     topk = np.tile(np.arange(20, 28), (len(prompt), 1))
+    topk[[i for i, t in enumerate(prompt) if t == 3]] = [4, 9, 20, 21, 22, 23, 24, 25]  # the model after 3
     d = RacerDrafter(n=4, capacity=40, k=8)
     d.begin(prompt, topk)
     tree = d.draft(3, 64)
     by_token = {tree.tokens[i]: tree.features[i] for i in range(1, len(tree)) if tree.depths[i] == 1}
-    assert by_token[4] == ("retrieval", 3, 3)  # 3/4 of the time: quarter 3
-    assert by_token[9] == ("retrieval", 3, 1)  # 1/4
-    # Copy-logit nodes: (rank in the parent's row, depth); the root's row is 20..27.
-    assert by_token[20] == ("logits", 0, 1) and by_token[23] == ("logits", 3, 1)
+    # Retrieved: (agreement with the parent's copy-logit row, border depth, freq ratio).
+    assert by_token[4] == ("retrieval", 1, 3, 3)  # rank 1 after 3; 3/4 of the time: quarter 3
+    assert by_token[9] == ("retrieval", 2, 3, 1)  # rank 2 after 3; 1/4
+    below_4 = {tree.tokens[c]: tree.features[c] for c in tree.children[tree.child(0, 4)].values()}
+    assert below_4[7][:2] == ("retrieval", 0)  # the row after 4 (20..27) does not hold 7
+    # Copy-logit nodes: (rank in the parent's row, depth).
+    assert by_token[20] == ("logits", 2, 1) and by_token[23] == ("logits", 5, 1)
     assert tree.features[0] is None
+    # Without the copy-logit table nothing can agree.
+    d = RacerDrafter(n=4, capacity=40, k=8, sources="retrieval")
+    d.begin(prompt, None)
+    tree = d.draft(3, 64)
+    assert tree.features[tree.child(0, 4)] == ("retrieval", 0, 3, 3)
 
 
 def test_retrieval_evidence_matches_brute_force_counts():

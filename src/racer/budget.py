@@ -72,27 +72,32 @@ def _fallback_key(depth: int) -> tuple:
     return ("depth", min(depth, 8))
 
 
-def _group(key: Any) -> Any:
-    """The source a key belongs to: its first element."""
-    return key[0] if isinstance(key, tuple) and key else key
+def evidence_levels(key: Any) -> list:
+    """A key's levels of evidence, coarse to fine: the prefixes of a tuple key
+    (``("logits",)``, ``("logits", 0)``, ``("logits", 0, 3)``), else the key alone.
+    Drafters order a key's elements from most to least telling."""
+    if isinstance(key, tuple) and key:
+        return [key[:j] for j in range(1, len(key) + 1)]
+    return [key]
 
 
 class AcceptanceModel:
     """Online estimate of P(node accepted | parent accepted) per evidence key.
 
     Each key (a node's ``feature``, or its depth when the drafter gives none) keeps
-    accept/try counts from the steps already verified; a key with little evidence
-    leans on its group (the key's first element: the source), which leans on a
-    uniform prior. Counts are halved past ``memory`` tries, so the estimate follows the
-    current request rather than all history. Pure Python."""
+    accept/try counts from the steps already verified, and so does each coarser level
+    of it (``evidence_levels``); a level with little evidence leans on the level above
+    it, the coarsest on a uniform prior. So a key that deep trees seldom reach (a
+    rank-0 copy-logit node at depth 3) starts from what its rank has shown at every
+    depth, not from its source's average. Counts are halved past ``memory`` tries, so
+    the estimate follows the current request rather than all history. Pure Python."""
 
     def __init__(self, strength: float = 4.0, memory: float = 400.0, seed: int = 0) -> None:
         if not strength > 0 or not memory > 0:
             raise ValueError(f"expected positive strength and memory, got {strength}, {memory}")
         self.strength, self.memory = strength, memory
         self.rng = random.Random(seed)
-        self.counts: dict = {}  # key -> (accepted, tried)
-        self.groups: dict = {}
+        self.counts: dict = {}  # key or level -> (accepted, tried)
 
     def _keys(self, tree: DraftTree) -> list:
         features = tree.features
@@ -100,11 +105,13 @@ class AcceptanceModel:
                 for i, f in enumerate(features if features is not None else [None] * len(tree))]
 
     def _posterior(self, key: Any) -> tuple[float, float]:
-        """Beta parameters of a key's rate: its counts over its group's mean."""
-        gh, gt = self.groups.get(_group(key), (0.0, 0.0))
-        prior = (gh + 1.0) / (gt + 2.0)
-        h, t = self.counts.get(key, (0.0, 0.0))
-        return h + self.strength * prior, (t - h) + self.strength * (1.0 - prior)
+        """Beta parameters of a key's rate: its counts over the mean of the level above."""
+        prior, a, b = 0.5, 1.0, 1.0
+        for level in evidence_levels(key):
+            h, t = self.counts.get(level, (0.0, 0.0))
+            a, b = h + self.strength * prior, (t - h) + self.strength * (1.0 - prior)
+            prior = a / (a + b)
+        return a, b
 
     def estimate(self, key: Any) -> float:
         """Posterior mean rate of ``key``."""
@@ -139,19 +146,16 @@ class AcceptanceModel:
         """Count every node whose parent was accepted: a try, and a hit if accepted too."""
         on_path = set(accepted)
         keys = self._keys(tree)
+        counts, memory = self.counts, self.memory
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
                 hit = 1.0 if i in on_path else 0.0
-                key = keys[i]
-                self._count(self.counts, key, hit)
-                self._count(self.groups, _group(key), hit)
-
-    def _count(self, table: dict, key: Any, hit: float) -> None:
-        h, t = table.get(key, (0.0, 0.0))
-        h, t = h + hit, t + 1.0
-        if t > self.memory:
-            h, t = h / 2, t / 2
-        table[key] = (h, t)
+                for level in evidence_levels(keys[i]):
+                    h, t = counts.get(level, (0.0, 0.0))
+                    h, t = h + hit, t + 1.0
+                    if t > memory:
+                        h, t = h / 2, t / 2
+                    counts[level] = (h, t)
 
 
 class CostCurve(Protocol):

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-FORMAT = 4  # 4: timed with tree attention (racer.attention); older tables are re-measured
+# 4: timed with tree attention (racer.attention); 5: refreshed with a whole-curve scale
+# (tables refreshed size by size only can hold stale sizes). Older tables are re-measured.
+FORMAT = 5
 
 
 @dataclass
@@ -40,7 +42,8 @@ class CostModel:
     per_position_node: float = 0.0  # growth per cached token, per tree node
     kernels: list[str] = field(default_factory=list)  # fastest linear kernel at each size ("model" if empty)
     path: str | None = field(default=None, compare=False)  # where refreshes are saved
-    rate: float = 0.1  # how fast step timings pull the table
+    rate: float = 0.03  # how fast step timings pull the two sizes around a step's size
+    drift: float = 0.1  # how fast they scale the whole curve
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes:
@@ -84,11 +87,19 @@ class CostModel:
         return self.kernels[j] if w > 0.5 else self.kernels[i]
 
     def refresh(self, nodes: int, cached: int, seconds: float) -> None:
-        """Pull the table toward an observed step time (a least-mean-squares step on the
-        two sizes around ``nodes``). Outliers (a page fault, the other core busy) are
+        """Pull the table toward an observed step time, in two parts: the scale of the
+        whole curve follows fast (the machine got busier or quieter: every size moves,
+        so sizes seldom verified do not go stale and misrank against fresh ones), and a
+        slow least-mean-squares step on the two sizes around ``nodes`` learns what the
+        scale leaves (the shape). Outliers (a page fault, the other core busy) are
         clipped to half the prediction, so one slow step cannot move it far."""
         predicted = self.predict(nodes, cached)
         error = max(-0.5 * predicted, min(0.5 * predicted, seconds - predicted))
+        factor = 1.0 + self.drift * error / predicted
+        self.seconds = [s * factor for s in self.seconds]
+        self.per_position *= factor
+        self.per_position_node *= factor
+        error -= (factor - 1.0) * predicted
         i, j, w = self._bracket(nodes)
         if nodes > self.sizes[-1]:
             i, w = j, 0.0  # beyond the table: only the last measured size moves
@@ -98,8 +109,8 @@ class CostModel:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        data.pop("path")
-        data.pop("rate")
+        for setting in ("path", "rate", "drift"):
+            data.pop(setting)
         return {"format": FORMAT, **data}
 
     @staticmethod
@@ -160,10 +171,15 @@ def cost_file(model: Any) -> Path:
 
 
 def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: int = 192,
-            repeats: int = 2) -> CostModel:
+            repeats: int = 4) -> CostModel:
     """Time verification passes of random trees of each size on a cache of ``length``
-    tokens (best of ``repeats``, with each linear kernel on offer), then grow the cache by
-    ``grown`` tokens and time the smallest and largest size again for the growth terms."""
+    tokens (best of ``repeats`` rounds, with each linear kernel on offer), and the
+    smallest and largest size on a cache ``grown`` tokens longer for the growth terms.
+    Each round visits the (size, kernel) pairs in a fresh random order: on
+    a shared machine a few slow seconds would otherwise land on the same neighbouring
+    sizes every round and make them look dearer than the sizes around them, which
+    steers the budget away from them for good (it seldom verifies them again to learn
+    better)."""
     import numpy as np
 
     from racer.tree import chain
@@ -178,36 +194,45 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     sizes = [s for s in sizes if length + grown + s < limit] or [1]
     verifier.prefill([int(t) for t in rng.integers(vocab, size=length)])
 
-    def timed(size: int, kernel: str) -> float:
-        verifier.use_kernel(kernel)
+    def timed(on: Any, size: int, kernel: str) -> float:
+        on.use_kernel(kernel)
         tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
         start = time.perf_counter()
-        float(verifier.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
+        float(on.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
         seconds = time.perf_counter() - start
-        verifier.commit([], size)  # drop the tree again
+        on.commit([], size)  # drop the tree again
         return seconds
 
     offered = [k for k in KERNELS if k == "model" or _kernel_agrees(verifier, rng, vocab, k)]
     for kernel in offered:
-        timed(sizes[-1], kernel)  # warm-up: first-call allocations
-    best = {(s, k): float("inf") for s in sizes for k in offered}
-    for _ in range(repeats):
-        for s, k in best:
-            best[s, k] = min(best[s, k], timed(s, k))
-    chosen = [min(offered, key=lambda k: best[s, k]) for s in sizes]
-    table = CostModel(list(sizes), [best[s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
+        timed(verifier, sizes[-1], kernel)  # warm-up: first-call allocations
+    # The growth terms come from the smallest and largest size on a second, longer
+    # cache, timed in the same shuffled rounds: a difference of two timings taken
+    # minutes apart would mostly measure how the machine's speed changed meanwhile.
+    small, large = sizes[0], sizes[-1]
+    far = None
     if grown > 0 and len(sizes) > 1:
-        chunk = sizes[-1]
-        verifier.use_kernel("model")
-        while verifier.cached < length + grown:  # grow the cache with committed chains
-            take = min(chunk, length + grown - verifier.cached)
+        far = TreeVerifier(model)
+        far.prefill([int(t) for t in rng.integers(vocab, size=length)])
+        far.use_kernel("model")
+        while far.cached < length + grown:  # grow the cache with committed chains
+            take = min(large, length + grown - far.cached)
             tree = chain(int(rng.integers(vocab)), [int(t) for t in rng.integers(vocab, size=take - 1)])
-            verifier.verify(tree)
-            verifier.commit(list(range(take)), take)
-        at = verifier.cached
-        small, large = sizes[0], sizes[-1]
-        g_small = (min(timed(small, chosen[0]) for _ in range(repeats)) - table.seconds[0]) / (at - length)
-        g_large = (min(timed(large, chosen[-1]) for _ in range(repeats)) - table.seconds[-1]) / (at - length)
+            far.verify(tree)
+            far.commit(list(range(take)), take)
+    best = {(near, s, k): float("inf") for near in (True, False) for s in sizes for k in offered
+            if near or (far is not None and s in (small, large))}
+    pairs = list(best)
+    for _ in range(repeats):
+        for index in rng.permutation(len(pairs)):
+            near, s, k = pairs[index]
+            best[near, s, k] = min(best[near, s, k], timed(verifier if near else far, s, k))
+    chosen = [min(offered, key=lambda k: best[True, s, k]) for s in sizes]
+    table = CostModel(list(sizes), [best[True, s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
+    if far is not None:
+        at = far.cached
+        g_small = (best[False, small, chosen[0]] - table.seconds[0]) / (at - length)
+        g_large = (best[False, large, chosen[-1]] - table.seconds[-1]) / (at - length)
         per_node = max((g_large - g_small) / (large - small), 0.0)
         table.per_position_node = per_node
         table.per_position = max(g_small - per_node * small, 0.0)

@@ -17,10 +17,15 @@ RETRIEVAL_SOURCE = 1
 GENEROUS_CAPACITY = 64  # candidate nodes with capacity=auto: the paper's fixed capacity
 
 
-def retrieval_feature(border_depth: int, ratio: float) -> tuple:
-    """Acceptance evidence of a retrieved node: how long the context match behind it
-    is, and how often its trie parent continued with it (freq ratio, in quarters)."""
-    return ("retrieval", min(border_depth, 6), min(int(ratio * 4), 4))
+def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
+    """Acceptance evidence of a retrieved node, most telling first (the draft budget
+    backs off along this order): whether the model's own earlier prediction after the
+    parent token agrees (1: rank 1 of its copy-logit row, 2: lower in the row, 0: not in
+    it; on 10 HumanEval prompts 79-95 % of rank-1 retrieved nodes were accepted against
+    30-60 % of the others), how long the context match behind it is, and how often its
+    trie parent continued with it (freq ratio, in quarters)."""
+    return ("retrieval", agreement, min(border_depth, 6), min(int(ratio * 4), 4))
+
 
 _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
@@ -99,6 +104,13 @@ class RacerDrafter(Drafter):
         # root itself, so ranks 2.. are the guesses for what follows.
         return self._last_row[1:] if self.last_logit else self.table.row(token)
 
+    def _agreement(self, parent: int, token: int) -> int:
+        """1 if ``token`` is rank 1 of ``parent``'s copy-logit row, 2 if lower in it, else 0."""
+        row = self._candidates(parent) if self.use_logits else ()
+        if not row or token not in row:
+            return 0
+        return 1 if row[0] == token else 2
+
     def draft(self, root: int, budget: int) -> DraftTree:
         capacity = min(self.capacity, budget)
         builder = TreeBuilder(root, capacity)
@@ -107,7 +119,10 @@ class RacerDrafter(Drafter):
             if self.chain:  # the deepest of the most frequent continuations
                 paths = [max(paths, key=lambda p: len(p[0]))] if paths else []
             for path, evidence in paths:
-                builder.add_path(path, RETRIEVAL_SOURCE, features=[retrieval_feature(*e) for e in evidence])
+                parents = [root] + path[:-1]
+                features = [retrieval_feature(self._agreement(parent, token), border, ratio)
+                            for parent, token, (border, ratio) in zip(parents, path, evidence)]
+                builder.add_path(path, RETRIEVAL_SOURCE, features=features)
         left = capacity - len(builder)
         if self.use_logits and left > 0:
             if self.chain:
