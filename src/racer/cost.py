@@ -1,7 +1,7 @@
 """What a decoding step costs on this hardware, as a function of the verified tree's
 size and the cache length: measured once per model/device/dtype/threads (one pass
-per size and linear kernel, twice), cached on disk, and refreshed from the step
-timings of real decoding.
+per size and linear kernel in each of four shuffled rounds, the fastest kept), cached
+on disk, and refreshed from the step timings of real decoding.
 
 Model: ``seconds(n, L) = base(n) + (L - L0) * (per_position + per_position_node * n)``,
 ``base`` piecewise linear over measured sizes at cache length ``L0``. A CPU's curve is
@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# 4: timed with tree attention (racer.attention); 5: refreshed with a whole-curve scale
-# (tables refreshed size by size only can hold stale sizes). Older tables are re-measured.
+# 4: timed with tree attention (racer.attention); 5: timed in shuffled rounds with the
+# growth terms interleaved, refreshed with a whole-curve scale (tables refreshed size by
+# size only can hold stale sizes). Older tables are re-measured.
 FORMAT = 5
 
 
