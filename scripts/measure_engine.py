@@ -21,6 +21,7 @@ import racer
 from racer.budget import evidence_levels
 from racer.data import load_questions
 from racer.engine import encode_prompt
+from racer.sampling import accept_greedy
 from racer.tree import DraftTree, chain
 from racer.verify import KERNEL_LABELS, KERNELS, TreeVerifier, packed_weights, random_tree
 
@@ -121,14 +122,9 @@ def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
 
 
 def _followed(tree: DraftTree, truth: list[int]) -> list[int]:
-    """The nodes of ``tree`` on the path the model took (root first)."""
-    path = [0]
-    while tree.depths[path[-1]] < len(truth):
-        child = tree.child(path[-1], truth[tree.depths[path[-1]]])
-        if child is None:
-            break
-        path.append(child)
-    return path
+    """The nodes of ``tree`` on the path the model took (root first): greedy acceptance
+    with the model's actual next token at each depth as every node's argmax."""
+    return accept_greedy(tree, [truth[d] if d < len(truth) else -1 for d in tree.depths])
 
 
 def evidence(dataset: str, limit: int, tokens: int, threads: int, method: str = "racer") -> None:
