@@ -5,6 +5,7 @@
     .venv/bin/python scripts/measure_engine.py kernels --threads 2
     .venv/bin/python scripts/measure_engine.py attention --threads 2
     .venv/bin/python scripts/measure_engine.py evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
+    .venv/bin/python scripts/measure_engine.py append --threads 2
 """
 
 from __future__ import annotations
@@ -121,6 +122,51 @@ def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
                   f"({grouped_ms / stock:.2f}x)   max |logit diff| {diff:.1e}")
 
 
+def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -> None:
+    """What appending one tree pass's KV to every layer's cache costs: Hugging Face's
+    DynamicCache (a torch.cat of the whole cache per layer) against racer.kvcache's
+    in-place layers, beside a whole tree pass of that size on that cache."""
+    from transformers import DynamicCache
+
+    from racer.kvcache import growing_cache
+
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    kv = [torch.randn(1, heads, cached, dim) for _ in range(2)]
+    new = [torch.randn(1, heads, size, dim) for _ in range(2)]
+    layers = range(config.num_hidden_layers)
+    timings = {}
+    for name, cache in (("DynamicCache (torch.cat)", DynamicCache(config=config)),
+                        ("racer.kvcache (in place)", growing_cache(config))):
+        for layer in layers:
+            cache.update(*kv, layer)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for layer in layers:
+                cache.update(*new, layer)
+            samples.append(time.perf_counter() - start)
+            cache.crop(-size)
+        timings[name] = statistics.median(samples) * 1e3
+    rng = np.random.default_rng(0)
+    verifier = TreeVerifier(model)
+    verifier.prefill(rng.integers(1000, size=cached).tolist())
+    passes = []
+    for _ in range(15):
+        tree = random_tree(rng, config.vocab_size, size, 4)
+        start = time.perf_counter()
+        verifier.verify(tree)
+        passes.append(time.perf_counter() - start)
+        verifier.commit([], size)
+    whole = statistics.median(passes) * 1e3
+    print(f"appending {size} positions to {config.num_hidden_layers} layers' KV at {cached} cached tokens "
+          f"(median of {repeats}); a {size}-node tree pass there: {whole:.1f} ms (median of 15)")
+    for name, ms in timings.items():
+        print(f"  {name}: {ms:.2f} ms ({ms / whole:.1%} of the pass)")
+
+
 def _followed(tree: DraftTree, truth: list[int]) -> list[int]:
     """The nodes of ``tree`` on the path the model took (root first): greedy acceptance
     with the model's actual next token at each depth as every node's argmax."""
@@ -195,7 +241,7 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence"])
+    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence", "append"])
     parser.add_argument("--dataset", default="human_eval")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
@@ -210,6 +256,8 @@ if __name__ == "__main__":
         kernels(a.threads)
     elif a.what == "attention":
         attention(a.threads)
+    elif a.what == "append":
+        append(a.threads)
     elif a.what == "evidence":
         evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:

@@ -261,3 +261,41 @@ def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch)
         query, key.repeat_interleave(2, dim=1), key.repeat_interleave(2, dim=1), attn_mask=mask, scale=0.5)
     assert len(stock) == 4 and out.shape == (1, 3, 4, 8)
     torch.testing.assert_close(out, want.transpose(1, 2))
+
+
+def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, monkeypatch):
+    from transformers import DynamicCache
+
+    import racer.kvcache
+    import racer.verify as verify_module
+    from racer.kvcache import GrowingLayer, growing_cache
+
+    monkeypatch.setattr(racer.kvcache, "_MIN_CAPACITY", 8)  # so that this short run grows several times
+    grown = []
+    grow = GrowingLayer._grow
+    monkeypatch.setattr(GrowingLayer, "_grow", lambda self, *a: (grown.append(self), grow(self, *a)))
+    rng = np.random.default_rng(3)
+    vocab = tiny.config.vocab_size
+    context = rng.integers(vocab, size=10).tolist()
+    steps = []
+    for _ in range(12):
+        tree = random_tree(rng, vocab, int(rng.integers(2, 16)), 5)
+        steps.append((tree, tree.path_to(int(rng.integers(len(tree))))))
+    runs = {}
+    for name, make in (("dynamic", lambda config: DynamicCache(config=config)), ("growing", growing_cache)):
+        monkeypatch.setattr(verify_module, "growing_cache", make)
+        verifier = TreeVerifier(tiny)
+        verifier.prefill(context)
+        logits = []
+        for tree, path in steps:
+            logits.append(verifier.verify(tree))
+            verifier.commit(path, len(tree))
+            layer = verifier.cache.layers[0]
+            assert isinstance(layer, GrowingLayer) == (name == "growing")
+            assert layer.get_seq_length() == verifier.cached == layer.keys.shape[-2]
+        runs[name] = (logits, sum(layer is verifier.cache.layers[0] for layer in grown), verifier.cached)
+    assert runs["growing"][2] == runs["dynamic"][2]
+    for got, want in zip(runs["growing"][0], runs["dynamic"][0]):
+        assert torch.equal(got, want)  # the same values attended to: the same logits, bit for bit
+    # Grown by doubling: a new buffer a few times over 12 steps and the prefill, not on every step.
+    assert 1 < runs["growing"][1] <= 4

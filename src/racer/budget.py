@@ -159,7 +159,10 @@ class AcceptanceModel:
 
 
 class CostCurve(Protocol):
-    """What the budget needs of a step-cost model (``racer.cost.CostModel`` is one)."""
+    """What the budget needs of a step-cost model (``racer.cost.CostModel`` is one). A
+    curve that also has ``draw(rng)`` (a plausible curve, as a ``predict`` function) is
+    chosen by a fresh draw each step, so that sizes whose cost it is unsure of get
+    verified now and then."""
 
     def predict(self, nodes: int, cached: int) -> float: ...
 
@@ -170,15 +173,18 @@ class DraftBudget:
     """Per step: keep the part of a drafter's candidate tree that maximises expected
     emitted tokens per second, from a cost curve and the acceptance model."""
 
-    def __init__(self, cost: CostCurve, acceptance: AcceptanceModel | None = None) -> None:
+    def __init__(self, cost: CostCurve, acceptance: AcceptanceModel | None = None, seed: int = 0) -> None:
         self.cost = cost
         self.acceptance = acceptance or AcceptanceModel()
+        self.rng = random.Random(seed)
 
     def select(self, tree: DraftTree, cached: int) -> DraftTree:
         if len(tree) == 1:
             return tree
         probs = self.acceptance.probabilities(tree, explore=True)
-        nodes, _ = best_subtree(tree.parents, probs, lambda n: self.cost.predict(n, cached))
+        draw = getattr(self.cost, "draw", None)
+        predict = draw(self.rng) if draw is not None else self.cost.predict
+        nodes, _ = best_subtree(tree.parents, probs, lambda n: predict(n, cached))
         return tree.subtree(nodes)
 
     def observe(self, tree: DraftTree, accepted: Sequence[int], cached: int, seconds: float) -> None:

@@ -19,19 +19,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
+import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 4: timed with tree attention (racer.attention); 5: timed in shuffled rounds with the
 # growth terms interleaved, refreshed with a whole-curve scale (tables refreshed size by
 # size only can hold stale sizes). Older tables are re-measured.
 FORMAT = 5
+
+
+PRIOR_SPREAD = 0.15  # how far off (relative, one sigma) a freshly calibrated size may be
 
 
 @dataclass
@@ -42,9 +47,13 @@ class CostModel:
     per_position: float = 0.0  # growth per cached token, per step
     per_position_node: float = 0.0  # growth per cached token, per tree node
     kernels: list[str] = field(default_factory=list)  # fastest linear kernel at each size ("model" if empty)
+    # How uncertain each size's time is (variance of its log): shrinks as steps of that
+    # size are seen, grows back slowly while they are not.
+    variance: list[float] = field(default_factory=list)
     path: str | None = field(default=None, compare=False)  # where refreshes are saved
-    rate: float = 0.03  # how fast step timings pull the two sizes around a step's size
-    drift: float = 0.1  # how fast they scale the whole curve
+    drift: float = 0.1  # how fast step timings scale the whole curve
+    noise: float = 0.01  # variance of one step's log time around the curve (10 % jitter)
+    wander: float = 1e-4  # how much a size's variance grows per step (its time may change)
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.seconds) or not self.sizes:
@@ -58,6 +67,9 @@ class CostModel:
         self.kernels = list(self.kernels) or ["model"] * len(self.sizes)
         if len(self.kernels) != len(self.sizes) or not set(self.kernels) <= set(KERNELS):
             raise ValueError(f"cost model: expected one kernel from {KERNELS} per size, got {self.kernels}")
+        self.variance = list(self.variance) or [PRIOR_SPREAD ** 2] * len(self.sizes)
+        if len(self.variance) != len(self.sizes) or not all(v > 0 for v in self.variance):
+            raise ValueError("cost model: expected one positive variance per size")
 
     def _bracket(self, n: int) -> tuple[int, int, float]:
         """Indices i, j of the sizes around ``n`` and the weight of j (linear)."""
@@ -71,15 +83,24 @@ class CostModel:
             i = j - 1
         return i, j, (n - sizes[i]) / (sizes[j] - sizes[i])
 
-    def base(self, n: int) -> float:
-        i, j, w = self._bracket(n)
-        return (1 - w) * self.seconds[i] + w * self.seconds[j]
-
     def predict(self, nodes: int, cached: int) -> float:
         """Seconds for one step verifying ``nodes`` nodes on a cache of ``cached`` tokens."""
+        return self._predict(self.seconds, nodes, cached)
+
+    def _predict(self, seconds: Sequence[float], nodes: int, cached: int) -> float:
+        i, j, w = self._bracket(nodes)
+        base = (1 - w) * seconds[i] + w * seconds[j]
         growth = (cached - self.length) * (self.per_position + self.per_position_node * nodes)
-        base = self.base(nodes)
         return max(base + growth, 0.25 * base)
+
+    def draw(self, rng: random.Random) -> Callable[[int, int], float]:
+        """A plausible curve (each size's time drawn from its uncertainty), as a
+        ``predict`` function. Choosing by a fresh draw each step (Thompson sampling)
+        now and then verifies a size whose time is uncertain because it is seldom
+        verified; choosing by ``predict`` alone would never learn that a size the
+        calibration made look dear is cheap."""
+        seconds = [s * math.exp(rng.gauss(0.0, math.sqrt(v))) for s, v in zip(self.seconds, self.variance)]
+        return lambda nodes, cached: self._predict(seconds, nodes, cached)
 
     def kernel(self, n: int) -> str:
         """The linear kernel to verify ``n`` nodes with: that of the nearest measured
@@ -90,27 +111,33 @@ class CostModel:
     def refresh(self, nodes: int, cached: int, seconds: float) -> None:
         """Pull the table toward an observed step time, in two parts: the scale of the
         whole curve follows fast (the machine got busier or quieter: every size moves,
-        so sizes seldom verified do not go stale and misrank against fresh ones), and a
-        slow least-mean-squares step on the two sizes around ``nodes`` learns what the
-        scale leaves (the shape). Outliers (a page fault, the other core busy) are
-        clipped to half the prediction, so one slow step cannot move it far."""
+        so sizes seldom verified do not go stale and misrank against fresh ones), and
+        the two sizes around ``nodes`` learn what the scale leaves (the shape) by a
+        Kalman step: a size still uncertain moves most of the way at once, one seen
+        many times moves little on one noisy step. Outliers (a page fault, the other
+        core busy) are clipped to half the prediction, so one slow step cannot move
+        it far."""
         predicted = self.predict(nodes, cached)
         error = max(-0.5 * predicted, min(0.5 * predicted, seconds - predicted))
         factor = 1.0 + self.drift * error / predicted
         self.seconds = [s * factor for s in self.seconds]
         self.per_position *= factor
         self.per_position_node *= factor
-        error -= (factor - 1.0) * predicted
+        residual = (predicted + error) / (predicted * factor) - 1.0  # relative, after the scale
+        self.variance = [v + self.wander for v in self.variance]
         i, j, w = self._bracket(nodes)
         if nodes > self.sizes[-1]:
             i, w = j, 0.0  # beyond the table: only the last measured size moves
-        for index, weight in ((i, 1 - w), (j, w)):
-            if weight > 0:
-                self.seconds[index] = max(self.seconds[index] + self.rate * weight * error, 1e-6)
+        weights = [(i, 1.0 - w)] + ([(j, w)] if j != i and w > 0 else [])
+        spread = sum(h * h * self.variance[k] for k, h in weights) + self.noise
+        for k, h in weights:
+            gain = h * self.variance[k] / spread
+            self.seconds[k] = max(self.seconds[k] * (1.0 + gain * residual), 1e-6)
+            self.variance[k] *= 1.0 - gain * h
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for setting in ("path", "rate", "drift"):
+        for setting in ("path", "drift", "noise", "wander"):
             data.pop(setting)
         return {"format": FORMAT, **data}
 
@@ -120,7 +147,7 @@ class CostModel:
             raise ValueError("cost model: unknown format")
         return CostModel(list(data["sizes"]), list(data["seconds"]), int(data["length"]),
                          float(data["per_position"]), float(data["per_position_node"]),
-                         [str(k) for k in data["kernels"]], path)
+                         [str(k) for k in data["kernels"]], [float(v) for v in data.get("variance", [])], path)
 
     def save(self) -> None:
         """Write the (refreshed) table back to its cache file, atomically."""

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from racer.attention import TreeAttention, tree_attention
 from racer.tree import DraftTree, TreeBuilder
+from racer.kvcache import growing_cache
 
 
 class UnsupportedModelError(ValueError):
@@ -181,10 +182,7 @@ class TreeVerifier:
     context token except the last emitted one, which is the next tree's root."""
 
     def __init__(self, model: Any) -> None:
-        from transformers import DynamicCache
-
         self.model = model
-        self._cache_cls = DynamicCache
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if "logits_to_keep" in params:
@@ -236,10 +234,7 @@ class TreeVerifier:
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Start a request: cache ``ids`` and return the logits at the last position
         (or at every position when ``all_logits``), shape (L or 1, vocab)."""
-        try:
-            self.cache = self._cache_cls(config=self.model.config)
-        except TypeError:  # transformers < 4.56
-            self.cache = self._cache_cls()
+        self.cache = growing_cache(self.model.config)
         self.cached = 0
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
