@@ -89,7 +89,7 @@ def test_bad_input():
 
 # -- the acceptance model and the budget that uses it -------------------------------------
 from racer.budget import AcceptanceModel, DraftBudget, evidence_levels  # noqa: E402
-from racer.cost import CostModel  # noqa: E402
+from racer.cost import MAX_VARIANCE, CostModel  # noqa: E402
 from racer.tree import DraftTree, TreeBuilder  # noqa: E402
 
 
@@ -243,7 +243,7 @@ def test_an_uncertain_size_learns_at_once_a_known_one_slowly():
         known.refresh(8, 0, 0.10)
     known.refresh(8, 0, 0.13)  # the same step after 200 agreeing ones: one noisy step among many
     assert known.predict(8, 0) - 0.10 < (fresh.predict(8, 0) - 0.10) / 2
-    assert known.variance[1] < fresh.variance[1] < known.variance[0]  # unseen sizes grew uncertain
+    assert known.variance[1] < fresh.variance[1] < known.variance[0]  # unseen sizes stayed uncertain
 
 
 def test_a_busier_machine_moves_every_size_and_unseen_sizes_are_drawn_wider():
@@ -259,6 +259,9 @@ def test_a_busier_machine_moves_every_size_and_unseen_sizes_are_drawn_wider():
     draws = [[draw(n, 0) for n in (4, 64)] for draw in (model.draw(rng) for _ in range(400))]
     spread = {n: statistics.pstdev(math.log(d[i]) for d in draws) for i, n in enumerate((4, 64))}
     assert spread[4] < 0.05 < 0.15 < spread[64]
+    for _ in range(5000):  # however long a size goes unseen, its draws stay plausible
+        model.refresh(4, 0, 0.20)
+    assert max(model.variance) == pytest.approx(MAX_VARIANCE)
     for _ in range(5):
         model.refresh(64, 0, 0.60)
     assert model.predict(64, 0) / model.predict(4, 0) == pytest.approx(3.0, rel=0.15)

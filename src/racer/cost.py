@@ -37,6 +37,7 @@ FORMAT = 5
 
 
 PRIOR_SPREAD = 0.15  # how far off (relative, one sigma) a freshly calibrated size may be
+MAX_VARIANCE = (2 * PRIOR_SPREAD) ** 2
 
 
 @dataclass
@@ -48,7 +49,7 @@ class CostModel:
     per_position_node: float = 0.0  # growth per cached token, per tree node
     kernels: list[str] = field(default_factory=list)  # fastest linear kernel at each size ("model" if empty)
     # How uncertain each size's time is (variance of its log): shrinks as steps of that
-    # size are seen, grows back slowly while they are not.
+    # size are seen, grows back slowly (up to MAX_VARIANCE) while they are not.
     variance: list[float] = field(default_factory=list)
     path: str | None = field(default=None, compare=False)  # where refreshes are saved
     drift: float = 0.1  # how fast step timings scale the whole curve
@@ -124,7 +125,10 @@ class CostModel:
         self.per_position *= factor
         self.per_position_node *= factor
         residual = (predicted + error) / (predicted * factor) - 1.0  # relative, after the scale
-        self.variance = [v + self.wander for v in self.variance]
+        # A size long unseen grows at most twice as uncertain as a fresh calibration (the
+        # curve's shape itself changes with the machine's state): its draws explore it
+        # now and then without proposing absurd times.
+        self.variance = [min(v + self.wander, MAX_VARIANCE) for v in self.variance]
         i, j, w = self._bracket(nodes)
         if nodes > self.sizes[-1]:
             i, w = j, 0.0  # beyond the table: only the last measured size moves
