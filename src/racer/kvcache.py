@@ -100,8 +100,9 @@ def growing_cache(config: Any) -> Any:
     layers = getattr(cache, "layers", None)
     if GrowingLayer is None or not layers:
         return cache
-    base = GrowingLayer.__mro__[1]
+    from transformers.cache_utils import DynamicLayer
+
     for index, layer in enumerate(layers):
-        if type(layer) is base:
+        if type(layer) is DynamicLayer:  # not its sliding-window or other subclasses
             layers[index] = GrowingLayer()
     return cache
