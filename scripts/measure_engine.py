@@ -24,7 +24,8 @@ from racer.data import load_questions
 from racer.engine import encode_prompt
 from racer.sampling import accept_greedy
 from racer.tree import DraftTree, chain
-from racer.verify import KERNEL_LABELS, KERNELS, TreeVerifier, packed_weights, random_tree
+from racer.kernels import KERNEL_LABELS, KERNELS, packed_weights
+from racer.verify import TreeVerifier, random_tree
 
 
 def costs(threads: int) -> None:
@@ -50,8 +51,7 @@ def costs(threads: int) -> None:
 
 
 def kernels(threads: int, repeats: int = 7) -> None:
-    """Tree passes with each linear kernel (the model's own layers, WeightMajorLinear,
-    oneDNN-packed weights): median wall time per size (the kernels interleaved, a fresh
+    """Tree passes with each linear kernel (``racer.kernels.KERNELS``): median wall time per size (the kernels interleaved, a fresh
     random tree each time, cache of 200 tokens), and against the model's own layers the
     largest logit difference and how many nodes' argmax differ."""
     torch.set_num_threads(threads)
@@ -60,7 +60,7 @@ def kernels(threads: int, repeats: int = 7) -> None:
     vocab = model.config.vocab_size
     verifier = TreeVerifier(model)
     verifier.prefill(rng.integers(vocab, size=200).tolist())
-    offered = [k for k in KERNELS if k != "packed" or packed_weights(model) is not None]
+    offered = [k for k in KERNELS if verifier.kernels.available(k)]
     print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens; x: against one stock node")
     base = None
     for size in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):

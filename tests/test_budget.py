@@ -295,7 +295,7 @@ def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
     for kernels in (["model"], ["model", "model", "fast"]):  # one known kernel per size
         with pytest.raises(ValueError, match="kernel"):
             CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, kernels=kernels)
-    for old in (1, 2, 3, 4):  # before the kernel choice, the packed kernel, tree attention, the curve's scale
+    for old in (1, 2, 3, 4, 5):  # before the kernel choice, the packed kernel, tree attention, the curve's scale, per-layer kernels
         with pytest.raises(ValueError, match="unknown format"):
             CostModel.from_json({**model.to_json(), "format": old})
 

@@ -8,7 +8,7 @@ from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, make_tiny_llama
 from racer.cost import CostModel, cost_file, load_or_measure, measure
 from racer.drafters import make_drafter
 from racer.engine import Decoder, encode_prompt
-from racer.verify import KERNELS
+from racer.kernels import KERNELS
 
 
 def test_measure_times_every_size_that_fits(tiny):

@@ -11,7 +11,7 @@ import pytest
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions
 from racer.cost import load_or_measure
 from racer.engine import Decoder, encode_prompt
-from racer.verify import packed_weights
+from racer.kernels import packed_weights
 
 QUESTIONS = lossless_questions()
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ OTHER_SETTINGS = ["token-recycling", "logitspec", "rest:datastore={datastore}", 
 # Verification with one linear kernel at every tree size, whatever this machine's cost
 # table chose (it picks the kernel per size by speed; every kernel must be lossless).
 FORCED_KERNEL_SETTINGS = ["packed racer:capacity=16", "weight_major racer", "packed token-recycling:capacity=8",
-                          "weight_major racer:capacity=64"]
+                          "weight_major racer:capacity=64", "hybrid racer:capacity=32"]
 
 
 @pytest.fixture(scope="session")

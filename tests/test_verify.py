@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from racer.tree import chain
-from racer.verify import (PackedLinear, TreeVerifier, UnsupportedModelError, WeightMajorLinear, packed_weights,
-                          random_tree, self_test, sequential_logits, tolerance)
+from racer.verify import TreeVerifier, UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
 
 
 def _check_tree(model, context, tree, kernel="model"):
@@ -41,7 +40,7 @@ def test_random_trees_match_sequential_decoding_real(real, seed):
     _check_tree(model, context, tree)
 
 
-@pytest.mark.parametrize("kernel", ["weight_major", "packed"])
+@pytest.mark.parametrize("kernel", ["weight_major", "packed", "hybrid"])
 @pytest.mark.parametrize("size", [2, 3, 8, 16])
 def test_kernel_trees_match_sequential_decoding_real(real, size, kernel):
     model, _ = real
@@ -49,7 +48,7 @@ def test_kernel_trees_match_sequential_decoding_real(real, size, kernel):
     tree = random_tree(rng, model.config.vocab_size, size, max_depth=min(size - 1, 6))
     context = rng.integers(model.config.vocab_size, size=12).tolist()
     verifier, got = _check_tree(model, context, tree, kernel=kernel)
-    assert kernel != "packed" or verifier._packed  # the packed kernel really ran
+    assert verifier.kernel_of(size) == kernel  # the kernel really ran
     _, stock = _check_tree(model, context, tree)
     # Where the best two logits are further apart than the two kernels' rounding can
     # move them, both kernels pick the same token.
@@ -57,65 +56,6 @@ def test_kernel_trees_match_sequential_decoding_real(real, size, kernel):
     clear = (top2[:, 0] - top2[:, 1]) > 2 * tolerance(verifier.dtype, stock.abs().max().item())
     assert clear.any()
     assert torch.equal(got.argmax(-1)[clear], stock.argmax(-1)[clear])
-
-
-def test_weight_major_linear_computes_linear(monkeypatch):
-    torch.manual_seed(0)
-    weight, bias = torch.randn(7, 5), torch.randn(7)
-    products = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: products.append((a.shape, b.shape)) or mm(a, b))
-    for x in (torch.randn(3, 5), torch.randn(1, 4, 5), torch.randn(2, 3, 5)):
-        products.clear()
-        with WeightMajorLinear():
-            out = torch.nn.functional.linear(x, weight, bias)
-            no_bias = torch.nn.functional.linear(x, weight)
-            other = torch.add(x, 1.0)  # anything else passes through
-        rows = x.numel() // 5
-        assert products == [((7, 5), (5, rows))] * 2  # the weight on the left: W @ x.T
-        assert out.shape == (*x.shape[:-1], 7) and out.is_contiguous()
-        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias))
-        torch.testing.assert_close(no_bias, x @ weight.T)
-        torch.testing.assert_close(other, x + 1.0)
-    layer = torch.nn.Linear(5, 7)  # a Parameter weight takes the same path
-    with WeightMajorLinear(), torch.inference_mode():
-        got = layer(torch.ones(2, 5))
-    torch.testing.assert_close(got, layer(torch.ones(2, 5)).detach())
-
-
-def test_packed_linear_computes_linear_from_packed_copies(monkeypatch):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3, bias=False))
-    packed = packed_weights(model)
-    assert packed is not None and set(packed) == {id(model[0].weight), id(model[1].weight)}
-    assert packed_weights(model) is packed  # packed once per model
-    calls = []
-    pointwise = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1]) or pointwise(*a))
-    with torch.inference_mode():
-        for x in (torch.randn(3, 5), torch.randn(1, 4, 5), torch.randn(2, 3, 5)):
-            want = model(x)
-            calls.clear()
-            with PackedLinear(packed):
-                got = model(x)
-                other = torch.nn.functional.linear(x, torch.ones(2, 5))  # a weight it holds no copy of
-            assert [id(c) for c in calls] == [id(packed[id(layer.weight)][2]) for layer in model]
-            assert got.shape == want.shape
-            torch.testing.assert_close(got, want)
-            torch.testing.assert_close(other, x @ torch.ones(5, 2))
-    # A weight changed in place since it was packed is not served from its stale copy.
-    with torch.no_grad():
-        model[1].weight.zero_()
-    with PackedLinear(packed), torch.inference_mode():
-        assert torch.equal(model(torch.randn(2, 5)), torch.zeros(2, 3))
-
-
-def test_packed_weights_are_refused_where_they_do_not_fit(monkeypatch):
-    import racer.verify as verify
-
-    monkeypatch.setattr(verify, "_available_memory", lambda: 100)  # bytes: far less than twice the weights
-    assert packed_weights(torch.nn.Linear(5, 7)) is None
-    assert packed_weights(torch.nn.Linear(5, 7).to(torch.bfloat16)) is None
 
 
 def test_wrong_mask_is_detected(tiny):

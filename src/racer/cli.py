@@ -261,7 +261,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
 
     from racer.cost import cost_file, disk_cache_enabled, load_or_measure
     from racer.loading import load_model
-    from racer.verify import KERNEL_LABELS
+    from racer.kernels import KERNEL_LABELS
 
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()

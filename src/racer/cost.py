@@ -9,8 +9,9 @@ far from smooth (here a 2- or 3-row matmul costs more than a 4-row one), which i
 it is a table and not a fitted formula.
 
 Each size is timed with every linear kernel this model and machine offer (see
-``racer.verify.KERNELS``: the model's own layers, ``WeightMajorLinear``, oneDNN-packed
-weights); the table keeps the fastest, and the verifier uses that kernel for that size.
+``racer.kernels.KERNELS``: the model's own layers, ``W @ x.T``, oneDNN-packed
+weights, ``W @ x.T`` with a packed output layer); the table keeps the fastest, and
+the verifier uses that kernel for that size.
 A kernel is offered only where it gives the logits the model's own layers give
 (checked once, to the tolerance of tree verification itself).
 """
@@ -32,8 +33,10 @@ from typing import Any, Callable, Sequence
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # 4: timed with tree attention (racer.attention); 5: timed in shuffled rounds with the
 # growth terms interleaved, refreshed with a whole-curve scale (tables refreshed size by
-# size only can hold stale sizes). Older tables are re-measured.
-FORMAT = 5
+# size only can hold stale sizes); 6: kernels installed per layer (racer.kernels), no
+# longer through a TorchFunctionMode that made every kernel but the model's own dearer.
+# Older tables are re-measured.
+FORMAT = 6
 
 
 PRIOR_SPREAD = 0.15  # how far off (relative, one sigma) a freshly calibrated size may be
@@ -63,7 +66,7 @@ class CostModel:
             raise ValueError(f"cost model: sizes must start at 1 and increase, got {self.sizes}")
         if not all(s > 0 for s in self.seconds):
             raise ValueError("cost model: times must be positive")
-        from racer.verify import KERNELS
+        from racer.kernels import KERNELS
 
         self.kernels = list(self.kernels) or ["model"] * len(self.sizes)
         if len(self.kernels) != len(self.sizes) or not set(self.kernels) <= set(KERNELS):
@@ -215,7 +218,8 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     import numpy as np
 
     from racer.tree import chain
-    from racer.verify import KERNELS, TreeVerifier, random_tree
+    from racer.kernels import KERNELS
+    from racer.verify import TreeVerifier, random_tree
 
     verifier = TreeVerifier(model)
     vocab = int(model.config.vocab_size)
@@ -275,9 +279,9 @@ def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
     """Whether ``kernel`` is available and gives this model the logits its own layers
     give (a kernel leaves alone layers that do not call ``linear`` on plain weights, so
     this guards against an exotic modeling file or a broken build, not rounding)."""
-    from racer.verify import packed_weights, random_tree, tolerance
+    from racer.verify import random_tree, tolerance
 
-    if kernel == "packed" and packed_weights(verifier.model) is None:
+    if not verifier.kernels.available(kernel):
         return False
     tree = random_tree(rng, vocab, 8, 3)
     logits = []

@@ -7,18 +7,17 @@ The stock modeling code takes a prepared 4D mask as-is, so no model file is patc
 from __future__ import annotations
 
 import inspect
-import os
 import weakref
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from racer.attention import TreeAttention, tree_attention
-from racer.tree import DraftTree, TreeBuilder
+from racer.kernels import KERNELS, LinearKernels
 from racer.kvcache import growing_cache
+from racer.tree import DraftTree, TreeBuilder
 
 
 class UnsupportedModelError(ValueError):
@@ -61,118 +60,6 @@ def tolerance(dtype: torch.dtype, scale: float) -> float:
     return 2e-3 if dtype == torch.float32 else 0.06 * max(scale, 1.0)
 
 
-_LINEAR = torch._C._nn.linear
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-class _LinearMode(TorchFunctionMode):
-    """Within its scope, hands every ``linear(x, W)`` on plain tensors of one dtype to
-    ``_rows`` as a 2-D ``x``; where ``_rows`` returns None the call runs as usual."""
-
-    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        raise NotImplementedError
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is _LINEAR and len(args) >= 2:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (type(x) in _PLAIN and type(weight) in _PLAIN and x.dtype == weight.dtype
-                    and (bias is None or type(bias) in _PLAIN)):
-                out = self._rows(x.reshape(-1, x.shape[-1]), weight, bias)
-                if out is not None:
-                    return out.view(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
-
-
-class WeightMajorLinear(_LinearMode):
-    """Within its scope, computes ``linear(x, W)`` as ``(W @ x.T).T``: the same sums.
-    For a few rows of ``x``, some CPU BLAS builds read the weights once per row of
-    ``x @ W.T`` but once in all for ``W @ x.T`` (on this project's 2-core EPYC a 4-node
-    pass of the embedded model costs about one 1-node pass this way, 1.7 the stock way:
-    ``scripts/measure_engine.py kernels``).
-    Quantised or subclassed weights pass through untouched. The cost model decides, by
-    measurement, for which tree sizes it is used (see ``racer.cost.measure``)."""
-
-    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        if weight.dim() != 2:
-            return None
-        out = torch.mm(weight, rows.t()).t().contiguous()
-        if bias is not None:
-            out += bias
-        return out
-
-
-# (the weight, its version counter when packed, the packed copy)
-PackedWeight = tuple[torch.Tensor, int, torch.Tensor]
-_packed: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
-class PackedLinear(_LinearMode):
-    """Within its scope, computes ``linear(x, W)`` with oneDNN from a copy of ``W``
-    packed once into the library's blocked layout (``packed_weights``): the same
-    products, without re-packing the weights on every call. On this project's 2-core
-    EPYC, passes of 6-64 nodes of the embedded model cost up to a quarter less than with
-    the faster of the other two kernels (``scripts/measure_engine.py kernels``). Weights
-    it holds no copy of pass through untouched."""
-
-    def __init__(self, packed: dict[int, PackedWeight]) -> None:
-        super().__init__()
-        self.packed = packed
-
-    def _rows(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        entry = self.packed.get(id(weight))
-        # The version check: a weight changed in place since packing (fine-tuning, a
-        # loaded adapter) runs the model's own layer, never its stale copy.
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
-            return None
-        return torch.ops.mkldnn._linear_pointwise(rows, entry[2], bias, "none", [], "")
-
-
-def _available_memory() -> int:
-    """Bytes of memory available to new allocations without swapping (0 where the OS
-    does not say): Linux's MemAvailable counts reclaimable page cache, free pages do not."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
-    """oneDNN-packed copies of the model's linear weights for ``PackedLinear``, built
-    once per model, or None where they cannot be had: no oneDNN, not a float32 CPU
-    model (16-bit oneDNN paths are unmeasured here), or a copy that would take more
-    than half the memory still available (it doubles the weights' footprint)."""
-    if model in _packed:
-        return _packed[model] or None
-    weights = {id(m.weight): m.weight for m in model.modules()
-               if isinstance(m, torch.nn.Linear) and type(m.weight) in _PLAIN and m.weight.dim() == 2}
-    fits = 2 * sum(w.numel() * w.element_size() for w in weights.values()) <= _available_memory()
-    usable = (torch.backends.mkldnn.is_available() and fits and weights
-              and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights.values()))
-    packed: dict[int, PackedWeight] = {}
-    if usable:
-        try:
-            with torch.inference_mode():
-                packed = {key: (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size=16))
-                          for key, w in weights.items()}
-        except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
-            packed = {}
-    _packed[model] = packed
-    return packed or None
-
-
-KERNELS = ("model", "weight_major", "packed")
-KERNEL_LABELS = {"model": "stock", "weight_major": "W@x.T", "packed": "packed"}  # for printed tables
-
-
 def _model_kernel(size: int) -> str:
     return "model"
 
@@ -199,7 +86,7 @@ class TreeVerifier:
         # Which linear kernel (one of KERNELS) verifies a tree of n nodes: chosen per size
         # by the measured cost model (``set_kernels``).
         self.kernel_of: Callable[[int], str] = _model_kernel
-        self._packed: dict[int, PackedWeight] | None = None
+        self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
         # heads (None where it does not apply: see ``racer.attention``).
         self.tree_attention: TreeAttention | None = tree_attention(model)
@@ -207,13 +94,20 @@ class TreeVerifier:
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every
         kernel it can return, so that what they need (packed weights) is built now, not
-        inside the first timed step. Where packed weights cannot be had, those sizes
-        run the model's own layers."""
+        inside the first timed step. Where a kernel cannot run here (no packed weights),
+        its sizes run the model's own layers."""
         used = set(used)
         if not used <= set(KERNELS):
             raise ValueError(f"kernels: expected names from {KERNELS}, got {sorted(used)}")
-        self._packed = packed_weights(self.model) if "packed" in used else None
-        self.kernel_of = kernel_of
+        runnable = {k for k in used if self.kernels.available(k)}
+        for kernel in runnable:
+            self.kernels.prepare(kernel)
+
+        def runnable_kernel(n: int) -> str:
+            kernel = kernel_of(n)
+            return kernel if kernel in runnable else "model"
+
+        self.kernel_of = runnable_kernel
 
     def use_kernel(self, kernel: str) -> None:
         """Verify trees of every size with ``kernel``."""
@@ -266,12 +160,7 @@ class TreeVerifier:
             mask = None
         else:
             mask = self.tree_mask(tree)
-        kernel = self.kernel_of(n)
-        linear: Any = nullcontext()
-        if kernel == "weight_major":
-            linear = WeightMajorLinear()
-        elif kernel == "packed" and self._packed:
-            linear = PackedLinear(self._packed)
+        linear = self.kernels.using(self.kernel_of(n))
         attention = self.tree_attention if mask is not None and self.tree_attention is not None else nullcontext()
         with linear, attention:
             return self._forward(ids, positions, mask, n)
