@@ -51,9 +51,10 @@ def costs(threads: int) -> None:
 
 
 def kernels(threads: int, repeats: int = 7) -> None:
-    """Tree passes with each linear kernel (``racer.kernels.KERNELS``): median wall time per size (the kernels interleaved, a fresh
-    random tree each time, cache of 200 tokens), and against the model's own layers the
-    largest logit difference and how many nodes' argmax differ."""
+    """Tree passes with each linear kernel (``racer.kernels.KERNELS``): median wall time
+    per size (the kernels interleaved, a fresh random tree each time, cache of 200
+    tokens), and against the model's own layers the largest logit difference and how
+    many nodes' argmax differ."""
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
     rng = np.random.default_rng(0)

@@ -32,6 +32,7 @@ import torch
 # (the output layer, vocabulary x hidden, is the largest single matrix by far).
 KERNELS = ("model", "weight_major", "packed", "hybrid")
 KERNEL_LABELS = {"model": "stock", "weight_major": "W@x.T", "packed": "packed", "hybrid": "hybrid"}
+_NEEDS_PACKED = ("packed", "hybrid")
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _linear = torch.nn.functional.linear
@@ -133,7 +134,7 @@ class LinearKernels:
         """Whether ``kernel`` can run here (the packed ones need oneDNN-packed weights)."""
         if kernel not in KERNELS:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
-        return kernel not in ("packed", "hybrid") or packed_weights(self.model) is not None
+        return kernel not in _NEEDS_PACKED or packed_weights(self.model) is not None
 
     def prepare(self, kernel: str) -> None:
         """Build what ``kernel`` needs (packed weights, the layers' forwards) now, not
@@ -143,7 +144,7 @@ class LinearKernels:
     def _layer_forwards(self, kernel: str) -> list[tuple[torch.nn.Linear, Forward]]:
         if kernel not in self._forwards:
             layers = _plain_layers(self.model) if kernel != "model" else []
-            packed = packed_weights(self.model) if kernel in ("packed", "hybrid") else None
+            packed = packed_weights(self.model) if kernel in _NEEDS_PACKED else None
             head = getattr(self.model, "get_output_embeddings", lambda: None)()
             forwards = []
             for layer in layers:
