@@ -1,17 +1,45 @@
 """Shared fixtures: the real embedded model (loaded once per test process), a tiny
-random Llama for fast structural tests, and the lossless prompt set."""
+random Llama for fast structural tests, and the lossless prompt set.
+
+Tests that use the real model (the ``real`` fixtures) are marked ``real``; ``make
+test-fast`` runs the others. The whole suite keeps racer's cache (the converted model,
+cost tables) in a folder of its own, never the user's ``~/.cache/racer``:
+``$RACER_TEST_CACHE`` if set (kept), else a temporary folder removed at the end.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the suite may reach a hub
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The controller (or a run without workers) picks the folder; workers inherit it.
+_OWN_CACHE = None
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("RACER_TEST_CACHE"):
+        os.environ["RACER_CACHE"] = os.path.abspath(os.environ["RACER_TEST_CACHE"])
+    else:
+        _OWN_CACHE = os.environ["RACER_CACHE"] = tempfile.mkdtemp(prefix="racer-test-cache-")
 
 import pytest
 import torch
 
-from racer.data import Question, load_questions
+from racer.bench.questions import Question, load_questions
+
+REAL_FIXTURES = {"real", "real_bf16"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_FIXTURES & set(item.fixturenames):
+            item.add_marker(pytest.mark.real)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # one core per worker; two threads each would contend

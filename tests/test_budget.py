@@ -89,8 +89,8 @@ def test_bad_input():
 
 # -- the acceptance model and the budget that uses it -------------------------------------
 from racer.budget import AcceptanceModel, DraftBudget, evidence_levels  # noqa: E402
-from racer.cost import MAX_VARIANCE, CostModel  # noqa: E402
-from racer.tree import DraftTree, TreeBuilder  # noqa: E402
+from racer.budget.cost import MAX_VARIANCE, CostModel  # noqa: E402
+from racer.drafting.tree import DraftTree, TreeBuilder  # noqa: E402
 
 
 def two_feature_tree(root=0):

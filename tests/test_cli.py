@@ -46,7 +46,13 @@ def test_generate_with_auto_capacity_reports_the_budget(real, capsys):
     assert "draft budget:" in err and "nodes verified per step" in err
 
 
-def test_cost_measures_on_refresh_then_reads_the_cache(real, capsys):
+def test_cost_measures_on_refresh_then_reads_the_cache(real, capsys, tmp_path, monkeypatch):
+    # A cache of its own (with the suite's converted model), so that the refresh does not
+    # replace the table other tests in flight are reading.
+    from racer.loading import cache_dir
+
+    (tmp_path / "models").symlink_to(cache_dir() / "models")
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     assert main(["cost", "--threads", "1", "--refresh"]) == 0
     first = capsys.readouterr().out
     assert "measured now, saved to" in first and "costs" in first
@@ -56,3 +62,17 @@ def test_cost_measures_on_refresh_then_reads_the_cache(real, capsys):
     rows = [line for line in second.splitlines() if line.startswith(("nodes:", "ms:"))]
     assert len(rows) == 2 and len(rows[0].split()) == len(rows[1].split())
     assert first.splitlines()[1:] == second.splitlines()[1:]
+    assert str(tmp_path) in first
+
+
+def test_default_threads_are_the_usable_cores_whatever_the_load(monkeypatch):
+    # The thread count keys the cost table: a load-dependent default would recalibrate
+    # whenever the machine is busy.
+    import os
+
+    from racer.cli import default_threads
+
+    cores = len(os.sched_getaffinity(0))
+    for load in (0.0, cores + 3.0):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        assert default_threads() == cores

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, make_tiny_llama
-from racer.cost import CostModel, cost_file, load_or_measure, measure
-from racer.drafters import make_drafter
+from racer.budget.calibration import cost_file, load_or_measure, measure
+from racer.budget.cost import CostModel
+from racer.budget import DraftBudget, WholeTree
+from racer.drafting import RacerDrafter, parse_method
 from racer.engine import Decoder, encode_prompt
-from racer.kernels import KERNELS
+from racer.fastpaths import KERNELS
 
 
 def test_measure_times_every_size_that_fits(tiny):
@@ -21,7 +23,7 @@ def test_measure_times_every_size_that_fits(tiny):
 def test_measure_times_the_long_cache_within_the_same_shuffled_rounds(tiny, monkeypatch):
     # The growth terms are differences between a short and a long cache; timed minutes
     # apart they would measure the machine's drift instead.
-    from racer import verify
+    from racer.engine import verifier as verify
 
     seen = []
     original = verify.TreeVerifier.verify
@@ -46,9 +48,16 @@ def test_the_decoder_verifies_with_the_kernel_the_table_chose(tiny, tmp_path, mo
     assert [kernels(n) for n in range(1, 10)] == ["model"] + ["weight_major"] * 5 + ["packed"] * 3
     assert Decoder(tiny, None, "racer:capacity=8", cost=Frozen(0.0)).verifier.kernel_of(8) == "model"
     assert Decoder(tiny, None, "none").verifier.kernel_of(8) == "model"
+    Decoder(tiny, None, "none").generate([1, 2, 3], max_new_tokens=2)
     assert not (tmp_path / "costs").exists()  # plain decoding measures nothing
-    Decoder(tiny, None, "pld")
+    decoder = Decoder(tiny, None, "pld")
+    assert not (tmp_path / "costs").exists()  # constructing a decoder never measures
+    announced = []
+    decoder.calibrate(announce=announced.append)
     assert cost_file(tiny).exists()  # any drafter that drafts measures (once) which kernel is faster
+    assert len(announced) == 1 and "timing verification passes" in announced[0]
+    Decoder(tiny, None, "pld").calibrate(announce=announced.append)
+    assert len(announced) == 1  # read from the cache: nothing to announce
 
 
 def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):
@@ -69,14 +78,23 @@ def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):
 
 def test_capacity_auto_is_the_default_for_every_tree_drafter(tmp_path):
     for spec in ("racer", "token-recycling", "logitspec"):
-        drafter = make_drafter(spec)
-        assert drafter.auto_capacity and drafter.describe()["capacity"] == "auto", spec
-        fixed = make_drafter(spec + ":capacity=16")
-        assert not fixed.auto_capacity and fixed.capacity == 16
-    for bad in ("racer:capacity=big", "token-recycling:capacity=0", "logitspec:capacity=-3"):
+        method = parse_method(spec)
+        assert method.auto and method.describe()["capacity"] == "auto", spec
+        fixed = parse_method(spec + ":capacity=16")
+        assert not fixed.auto and fixed.capacity == 16 and fixed.describe()["capacity"] == 16
+    for bad in ("racer:capacity=big", "token-recycling:capacity=0", "logitspec:capacity=-3", "pld:capacity=0"):
         with pytest.raises(ValueError, match="capacity: expected 'auto' or a node count"):
-            make_drafter(bad)
-    assert not make_drafter("pld").auto_capacity and not make_drafter("none").auto_capacity
+            parse_method(bad)
+    assert parse_method("pld").capacity == 11 and parse_method("none").capacity == 1
+    assert not parse_method("none").drafts and parse_method("pld").drafts
+
+
+def test_capacity_is_one_option_of_the_decoder_and_the_spec(tiny):
+    assert Decoder(tiny, None, RacerDrafter(), capacity=8, cost=Frozen(0.0)).method.capacity == 8
+    assert isinstance(Decoder(tiny, None, "racer", cost=Frozen(0.0)).budget, DraftBudget)
+    assert isinstance(Decoder(tiny, None, "racer:capacity=8", cost=Frozen(0.0)).budget, WholeTree)
+    with pytest.raises(ValueError, match="capacity: given twice"):
+        Decoder(tiny, None, "racer:capacity=8", capacity=16)
 
 
 class Frozen:

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from racer.drafters import Drafter, make_drafter
+from racer.drafting import Drafter, Needs, make_drafter
 from racer.engine import Decoder, GenerationResult
-from racer.tree import TreeBuilder
+from racer.drafting.tree import TreeBuilder
 
 PROMPT = "List the numbers from one to twenty, separated by commas."
 
@@ -15,7 +15,8 @@ class RepeatDrafter(Drafter):
     through branches and multi-token steps."""
 
     name = "repeat"
-    topk = 4
+    needs = Needs(topk=4)
+    candidates = 12
 
     def __init__(self):
         self.seen = []
@@ -24,7 +25,7 @@ class RepeatDrafter(Drafter):
         self.last_topk = None
 
     def draft(self, root, budget):
-        b = TreeBuilder(root, min(budget, 12))
+        b = TreeBuilder(root, budget)
         if self.last_topk is not None:
             # top-2 guesses for the next token, then their top-1 chains.
             for rank in range(2):
@@ -115,3 +116,53 @@ def test_prompt_longer_than_the_context_window(real):
 def test_unknown_method_or_option(spec, pattern):
     with pytest.raises(ValueError, match=pattern):
         make_drafter(spec)
+
+
+def test_a_reused_result_keeps_nothing_of_the_last_request(tiny):
+    decoder = Decoder(tiny, None, "none")
+    fresh = decoder.generate([1, 2, 3], max_new_tokens=6)
+    reused = GenerationResult.empty()
+    for _ in range(2):
+        list(decoder.stream([1, 2, 3], max_new_tokens=6, result=reused))
+        assert reused.tokens == fresh.tokens and len(reused.steps) == len(fresh.steps)
+        assert reused.prompt_tokens == 3 and reused.stop_reason == "length"
+
+
+def test_fast_paths_switch_off_one_by_one_and_all_at_once(tiny):
+    from transformers.cache_utils import DynamicLayer
+
+    from racer.fastpaths import FastPaths
+
+    plain = Decoder(tiny, None, "racer:capacity=8", fast_paths=False, cost=None)
+    assert plain.verifier.tree_attention is None
+    plain.calibrate(announce=None)
+    assert {plain.verifier.kernel_of(n) for n in range(1, 65)} == {"model"}
+    reference = plain.generate([5, 6, 7, 5, 6], max_new_tokens=20).tokens
+    assert type(plain.verifier.cache.layers[0]) is DynamicLayer
+    for switch in ("kernels", "tree_attention", "growing_cache"):
+        decoder = Decoder(tiny, None, "racer:capacity=8", fast_paths=FastPaths(**{switch: False}))
+        assert decoder.generate([5, 6, 7, 5, 6], max_new_tokens=20).tokens == reference, switch
+    with pytest.raises(ValueError, match="fast_paths"):
+        Decoder(tiny, None, "none", fast_paths="fast")
+
+
+def test_the_real_model_decodes_the_same_without_any_fast_path(real):
+    model, tok = real
+    fast = Decoder(model, tok, "racer").generate(PROMPT, chat=True, max_new_tokens=48)
+    stock = Decoder(model, tok, "racer", fast_paths=False).generate(PROMPT, chat=True, max_new_tokens=48)
+    assert stock.tokens == fast.tokens
+    assert max(s.tree_size for s in stock.steps) > 1
+
+
+def test_generation_options_are_one_value_for_generate_and_stream(real):
+    from racer.engine import GenerationOptions
+
+    model, tok = real
+    decoder = Decoder(model, tok, "pld")
+    options = GenerationOptions(max_new_tokens=12, chat=True)
+    result = GenerationResult.empty()
+    text = "".join(decoder.stream(PROMPT, options, result=result))
+    assert decoder.generate(PROMPT, options).tokens == result.tokens and text == result.text
+    assert len(decoder.generate(PROMPT, options, max_new_tokens=3).tokens) == 3
+    with pytest.raises(TypeError, match="unexpected option max_tokens"):
+        decoder.generate(PROMPT, max_tokens=3)

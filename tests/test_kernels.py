@@ -4,7 +4,8 @@ one pass and taken away again."""
 import pytest
 import torch
 
-from racer.kernels import KERNELS, LinearKernels, packed_weights, packed_forward, weight_major_forward
+from racer.fastpaths import KERNELS
+from racer.fastpaths.kernels import LinearKernels, packed_weights, packed_forward, weight_major_forward
 
 
 class _Head(torch.nn.Module):
@@ -114,7 +115,7 @@ def test_layers_that_are_not_plain_linears_keep_their_own_forward():
 
 
 def test_packed_weights_are_refused_where_they_do_not_fit(monkeypatch):
-    import racer.kernels as kernels
+    import racer.fastpaths.kernels as kernels
 
     monkeypatch.setattr(kernels, "_available_memory", lambda: 100)  # bytes: far less than twice the weights
     assert packed_weights(torch.nn.Linear(5, 7)) is None

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from racer.drafters import make_drafter
-from racer.drafters.logitspec import LogitSpecDrafter, NgramIndex, tokens_kept
-from racer.tree import DraftTree
+from racer.drafting import Needs, make_drafter
+from racer.drafting.logitspec import LogitSpecDrafter, NgramIndex, tokens_kept
+from racer.drafting.tree import DraftTree
 
 
 def test_pruning_by_guess_rank():
@@ -31,17 +31,17 @@ def test_drafted_tree_follows_the_guess_ranks():
     guesses = list(range(101, 141))
     context = [t for g in guesses for t in (g, g + 1000, g + 2000, g + 3000, g + 4000)]
     root = 7  # never seen: no root chain
-    d = LogitSpecDrafter(capacity=1000, guesses=41)
+    d = LogitSpecDrafter(guesses=41)
     d.begin(context, np.array([[root] + guesses]))
-    tree = d.draft(root, 10_000)
+    tree = d.draft(root, 1000)
     chains = [[tree.tokens[i] for i in path[1:]] for path in tree.leaf_paths()]
     expected = [[g, g + 1000, g + 2000, g + 3000][: tokens_kept(rank)] for rank, g in enumerate(guesses, 1)]
     assert sorted(chains) == sorted(expected)
     assert len(tree) == 1 + 8 * 4 + 24 * 3 + 8 * 1
 
-    d64 = LogitSpecDrafter()  # capacity 64: 8 x 4 + 10 x 3 + 1 (cut) = 63 draft tokens
+    d64 = LogitSpecDrafter()  # 64 candidates: 8 x 4 + 10 x 3 + 1 (cut) = 63 draft tokens
     d64.begin(context, np.array([[root] + guesses]))
-    tree = d64.draft(root, 10_000)
+    tree = d64.draft(root, d64.candidates)
     assert len(tree) == 64
     assert {tree.tokens[i] for i in range(1, 64) if tree.depths[i] == 1} == set(guesses[:19])
 
@@ -58,17 +58,17 @@ def test_merge_saves_capacity_the_original_layout_spends():
     # Root 3's chain is (4, 5); the best guess, 4, retrieves (5) after (3, 4): the same
     # path. The original spends capacity on that duplicate chain; the merged trie does not.
     context, row = [3, 4, 5], np.array([[3, 4, 50, 51, 52, 53]])
-    merged = LogitSpecDrafter(capacity=6, guesses=6)
-    original = LogitSpecDrafter(capacity=6, guesses=6, merge=False)
+    merged = LogitSpecDrafter(guesses=6)
+    original = LogitSpecDrafter(guesses=6, merge=False)
     for d in (merged, original):
         d.begin(context, row)
-    assert merged.draft(3, 100).tokens == (3, 4, 50, 51, 52, 5)
-    assert original.draft(3, 100).tokens == (3, 4, 50, 5)  # 2 + 2 + 1 = 5 proposed tokens
+    assert merged.draft(3, 6).tokens == (3, 4, 50, 51, 52, 5)
+    assert original.draft(3, 6).tokens == (3, 4, 50, 5)  # 2 + 2 + 1 = 5 proposed tokens
 
 
 def test_observe_extends_the_index_and_takes_the_last_row():
     d = LogitSpecDrafter(guesses=3)
-    assert d.topk == 3 and d.topk_nodes == "last"
+    assert d.needs == Needs(topk=3, at="last")
     d.begin([1, 2], np.array([[9, 9, 9]]))
     tree = DraftTree.single(3)
     d.observe(tree, np.array([[4, 5, 6]]), [0])

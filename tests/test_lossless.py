@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions
-from racer.cost import load_or_measure
+from racer.budget.calibration import load_or_measure
 from racer.engine import Decoder, encode_prompt
-from racer.kernels import packed_weights
+from racer.fastpaths.kernels import packed_weights
 
 QUESTIONS = lossless_questions()
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ FORCED_KERNEL_SETTINGS = ["packed racer:capacity=16", "weight_major racer", "pac
 @pytest.fixture(scope="session")
 def datastore(real, tmp_path_factory):
     """A REST datastore from text the project ships: its own code, tests and README."""
-    from racer.datastore import build_datastore
+    from racer.drafting.datastore import build_datastore
 
     out = tmp_path_factory.mktemp("datastore") / "project"
     build_datastore([REPO / "src", REPO / "tests", REPO / "README.md"], real[1], out, pattern="*.py")

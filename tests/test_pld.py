@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from racer.drafters import make_drafter
-from racer.drafters.pld import PromptLookupDrafter
+from racer.drafting import make_drafter
+from racer.drafting.pld import PromptLookupDrafter
 
 
 def test_longest_ngram_first_then_leftmost_match():

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from racer.drafters import make_drafter
-from racer.drafters.logits_tree import CopyLogitTable, child_breadth, expand
-from racer.drafters.racer import RETRIEVAL_SOURCE, RacerDrafter
-from racer.tree import TreeBuilder
+from racer.drafting import make_drafter, method_options, parse_method
+from racer.drafting.copy_logit import CopyLogitTable, child_breadth, expand_logits_tree
+from racer.drafting.racer import RETRIEVAL_SOURCE, RacerDrafter
+from racer.drafting.tree import TreeBuilder
 
 
 def full_table(vocab=1000, k=8):
@@ -24,7 +24,7 @@ def level_sizes(tree):
 def test_breadth_allocation_gives_the_documented_shape():
     table = full_table()
     builder = TreeBuilder(root=3, capacity=1 + 8 + 12 + 17)
-    expand(builder, table.row, 8, 10_000)
+    expand_logits_tree(builder, table.row, 8, 10_000)
     tree = builder.build()
     # A node's child count is its breadth. Root: 8 children with breadths
     # 4, 2, 1, 1, 1, 1, 1, 1 -> 12 grandchildren. Depth-1 nodes keep their breadth
@@ -42,7 +42,7 @@ def test_breadth_allocation_gives_the_documented_shape():
 def test_rank_one_chains_continue_until_capacity():
     table = full_table()
     builder = TreeBuilder(root=3, capacity=200)
-    expand(builder, table.row, 8, 10_000)
+    expand_logits_tree(builder, table.row, 8, 10_000)
     tree = builder.build()
     assert len(tree) == 200 and max(tree.depths) > 4
 
@@ -59,9 +59,9 @@ def test_retrieval_first_then_logits_fill_the_rest_and_merge():
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2]
     topk = np.tile(np.arange(10, 18), (len(prompt), 1))
     topk[prompt.index(4)] = [5, 6, 30, 31, 32, 33, 34, 35]  # row of token 4
-    d = RacerDrafter(n=4, capacity=10, k=8)
+    d = RacerDrafter(n=4, k=8)
     d.begin(prompt, topk)
-    tree = d.draft(3, 64)
+    tree = d.draft(3, 10)
     assert len(tree) == 10
     retrieved = [i for i, s in enumerate(tree.sources) if s == RETRIEVAL_SOURCE]
     # "1 2 3" and "2 3" occurred: continuations 4 -> 5 / 6.
@@ -71,12 +71,15 @@ def test_retrieval_first_then_logits_fill_the_rest_and_merge():
     assert set(tree.children[node4]) == {5, 6}
 
 
-def test_capacity_and_budget_bound_the_tree():
-    d = RacerDrafter(capacity=16)
+def test_the_budget_bounds_the_tree_and_capacity_auto_proposes_64_candidates():
+    d = RacerDrafter()
     prompt = list(range(50)) * 3
     d.begin(prompt, np.tile(np.arange(8), (len(prompt), 1)))
-    assert len(d.draft(10, 1000)) == 16
-    assert len(d.draft(10, 5)) == 5
+    assert len(d.draft(10, 1000)) > 64  # the drafter itself has no capacity
+    assert len(d.draft(10, 16)) == 16 and len(d.draft(10, 5)) == 5
+    method = parse_method("racer:capacity=16")
+    assert (method.capacity, method.draft_size, method.auto) == (16, 16, False)
+    assert parse_method("racer").draft_size == d.candidates == 64
 
 
 def test_chain_mode_drafts_one_path():
@@ -102,7 +105,7 @@ def test_accepted_rank_statistics():
     tree = d.draft(6, 64)
     path = [0, tree.children[0][9]]
     d.observe(tree, np.tile(np.arange(8), (len(tree), 1)), path)
-    assert d.accepted_ranks[1] == 1 and d.copy_logit_rank1_share() == 1.0
+    assert d.accepted_ranks == {1: 1}
 
 
 @pytest.mark.parametrize("spec, pattern", [
@@ -115,9 +118,12 @@ def test_bad_options_are_named(spec, pattern):
 
 
 def test_options_reach_the_drafter():
-    d = make_drafter("racer:capacity=16:memory=fresh:sources=logits:logits=last")
-    assert (d.capacity, d.fresh, d.use_retrieval, d.last_logit) == (16, True, False, True)
-    assert d.describe()["capacity"] == 16
+    method = parse_method("racer:capacity=16:memory=fresh:sources=logits:logits=last")
+    d = method.drafter
+    assert (method.capacity, d.fresh, d.use_retrieval, d.last_logit) == (16, True, False, True)
+    described = method.describe()
+    assert described["capacity"] == 16 and described["memory"] == "fresh" and described["logits"] == "last"
+    assert set(described) == {"method", "capacity", *method_options("racer")}
 
 
 def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
@@ -126,9 +132,9 @@ def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
     prompt = [1, 2, 3, 4, 7, 1, 2, 3, 4, 8, 1, 2, 3, 4, 5, 1, 2, 3, 9, 6, 1, 2]
     topk = np.tile(np.arange(20, 28), (len(prompt), 1))
     topk[[i for i, t in enumerate(prompt) if t == 3]] = [4, 9, 20, 21, 22, 23, 24, 25]  # the model after 3
-    d = RacerDrafter(n=4, capacity=40, k=8)
+    d = RacerDrafter(n=4, k=8)
     d.begin(prompt, topk)
-    tree = d.draft(3, 64)
+    tree = d.draft(3, 40)
     by_token = {tree.tokens[i]: tree.features[i] for i in range(1, len(tree)) if tree.depths[i] == 1}
     # Retrieved: (agreement with the parent's copy-logit row, border depth, freq ratio).
     assert by_token[4] == ("retrieval", 1, 3, 3)  # rank 1 after 3; 3/4 of the time: quarter 3
@@ -139,19 +145,19 @@ def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
     assert by_token[20] == ("logits", 2, 1) and by_token[23] == ("logits", 5, 1)
     assert tree.features[0] is None
     # Without the copy-logit table nothing can agree.
-    d = RacerDrafter(n=4, capacity=40, k=8, sources="retrieval")
+    d = RacerDrafter(n=4, k=8, sources="retrieval")
     d.begin(prompt, None)
-    tree = d.draft(3, 64)
+    tree = d.draft(3, 40)
     assert tree.features[tree.child(0, 4)] == ("retrieval", 0, 3, 3)
 
 
 def test_retrieval_evidence_matches_brute_force_counts():
-    from racer.drafters.retrieval import RetrievalTree
+    from racer.drafting.automaton import NgramAutomaton
 
     n = 5
     rng = np.random.default_rng(3)
     context = [int(t) for t in rng.integers(0, 4, size=200)]
-    trie = RetrievalTree(n=n, capacity=100_000)  # large enough that nothing is evicted
+    trie = NgramAutomaton(n=n, capacity=100_000)  # large enough that nothing is evicted
     trie.start(context[:-1])
     root = context[-1]
 
@@ -159,11 +165,10 @@ def test_retrieval_evidence_matches_brute_force_counts():
         s = list(s)
         return sum(context[i : i + len(s)] == s for i in range(len(context) - 1 - n + 1))
 
-    found = trie.retrieve_evidence(root, 30, 2)
+    found = trie.retrieve(root, 30, 2)
     assert found
-    for path, evidence in found:
-        border = evidence[0][0]
-        assert all(b == border for b, _ in evidence)
+    for path, _, border, ratios in found:
+        assert len(ratios) == len(path)
         stem = (context[:-1] + [root])[-border:]  # the border is a suffix of context + root
-        for i, (_, ratio) in enumerate(evidence):
+        for i, ratio in enumerate(ratios):
             assert ratio == pytest.approx(count(stem + path[: i + 1]) / count(stem + path[:i]))

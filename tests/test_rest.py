@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from racer.cli import main
-from racer.datastore import SEPARATOR, Datastore, DatastoreError, build_datastore, write_datastore
-from racer.drafters import make_drafter
-from racer.drafters.rest import RestDrafter, top_prefixes
+from racer.drafting.datastore import SEPARATOR, Datastore, DatastoreError, build_datastore, write_datastore
+from racer.drafting import make_drafter, parse_method
+from racer.drafting.rest import RestDrafter, top_prefixes
 
 
 def store(tmp_path, docs, name="ds") -> str:
@@ -58,13 +58,14 @@ def test_draft_uses_the_longest_suffix_with_a_hit(tmp_path):
 
 def test_min_suffix_and_capacity(tmp_path):
     folder = store(tmp_path, [[5, 1, 2, 3, 4, 5, 6]])
-    d = make_drafter(f"rest:datastore={folder}:capacity=3")
+    method = parse_method(f"rest:datastore={folder}:capacity=3")
+    d, size = method.drafter, method.draft_size
     d.begin([7, 7], None)
-    assert d.draft(5, 100).tokens == (5,)  # only (5) matches: 1 token is below min_suffix 2
+    assert d.draft(5, size).tokens == (5,)  # only (5) matches: 1 token is below min_suffix 2
     d.begin([4], None)
-    assert d.draft(5, 100).tokens == (5, 6)
+    assert d.draft(5, size).tokens == (5, 6)
     d.begin([5], None)
-    assert d.draft(1, 100).tokens == (1, 2, 3)  # capacity 3 nodes, root included
+    assert d.draft(1, size).tokens == (1, 2, 3)  # capacity 3 nodes, root included
 
 
 def test_observe_keeps_the_context_tail(tmp_path):

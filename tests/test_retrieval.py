@@ -7,10 +7,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from racer.drafters.retrieval import ROOT, RetrievalTree
+from racer.drafting.automaton import ROOT, NgramAutomaton
 
 
-class Recording(RetrievalTree):
+class Recording(NgramAutomaton):
     """Records every eviction with whether the victim was a leaf and the LRU tail."""
 
     def __init__(self, *args, **kwargs):
@@ -23,7 +23,7 @@ class Recording(RetrievalTree):
         super()._evict_lru()
 
 
-def feed(tree: RetrievalTree, stream: list[int], prompt_len: int, checks=None) -> list[int]:
+def feed(tree: NgramAutomaton, stream: list[int], prompt_len: int, checks=None) -> list[int]:
     """Drive the tree as the drafter does: all full windows of the prompt, then one
     token at a time (insert the window ending there, then advance)."""
     ctx = stream[:prompt_len]
@@ -38,7 +38,7 @@ def feed(tree: RetrievalTree, stream: list[int], prompt_len: int, checks=None) -
     return ctx
 
 
-def contents(tree: RetrievalTree) -> dict[tuple[int, ...], int]:
+def contents(tree: NgramAutomaton) -> dict[tuple[int, ...], int]:
     return {tree.string(node): tree.freq[node] for node in tree.live_nodes()}
 
 
@@ -60,7 +60,7 @@ def oracle_retrieve(trie: dict, borders: set, limit: int) -> list[tuple[int, int
     return sorted(cands)[:limit]
 
 
-def check_links(tree: RetrievalTree, trie: dict) -> None:
+def check_links(tree: NgramAutomaton, trie: dict) -> None:
     live = set(tree.live_nodes())
     for node in live:
         s = tree.string(node)
@@ -77,7 +77,7 @@ streams = st.lists(st.integers(0, 4), min_size=1, max_size=120)
 @given(streams, st.integers(2, 5), st.data())
 def test_without_eviction_matches_the_oracle(stream, n, data):
     prompt_len = data.draw(st.integers(0, len(stream)))
-    tree = RetrievalTree(n=n, capacity=100_000)
+    tree = NgramAutomaton(n=n, capacity=100_000)
     windows = []
 
     def checks(t, ctx):
@@ -89,9 +89,9 @@ def test_without_eviction_matches_the_oracle(stream, n, data):
             borders = [t.string(b) for b in t.borders(root)]
             assert set(borders) == oracle_borders(trie, ctx, root)
             assert borders == sorted(borders, key=len, reverse=True)
-            got = t.retrieve_scored(root, 6)
-            assert [(-f, len(p)) for f, p in got] == oracle_retrieve(trie, set(borders), 6)
-            for f, path in got:  # each path ends at a node with that freq under a border
+            got = t.retrieve(root, 6)
+            assert [(-c.freq, len(c.path)) for c in got] == oracle_retrieve(trie, set(borders), 6)
+            for path, f, _, _ in got:  # each path ends at a node with that freq under a border
                 assert any(trie.get(b + tuple(path)) == f for b in borders)
 
     ctx_windows = [tuple(stream[e - n : e]) for e in range(n, len(stream) + 1)]
@@ -128,8 +128,8 @@ def test_under_eviction_invariants_hold(stream, n, extra, data):
         for root in range(5):
             borders = {t.string(b) for b in t.borders(root)}
             assert borders == oracle_borders(trie, ctx, root)
-            got = t.retrieve_scored(root, 5)
-            assert [(-f, len(p)) for f, p in got] == oracle_retrieve(trie, borders, 5)
+            got = t.retrieve(root, 5)
+            assert [(-c.freq, len(c.path)) for c in got] == oracle_retrieve(trie, borders, 5)
 
     feed(tree, stream, prompt_len, checks)
     assert all(leaf and tail for _, leaf, tail in tree.evicted)
@@ -138,7 +138,7 @@ def test_under_eviction_invariants_hold(stream, n, extra, data):
 
 
 def test_recycled_slots_are_reused_and_memory_is_bounded():
-    tree = RetrievalTree(n=4, capacity=50)
+    tree = NgramAutomaton(n=4, capacity=50)
     stream = [(i * 7919) % 31 for i in range(2000)]
     feed(tree, stream, 100)
     assert tree.live <= 50 and len(tree.token) <= 50 and tree.evictions > 1000
@@ -148,18 +148,18 @@ def test_recycled_slots_are_reused_and_memory_is_bounded():
 def test_failure_chain_keeps_retrieval_alive_after_a_mismatch():
     """The reference drops to depth 1 after a mismatch (its links are erased); here a
     shorter suffix still finds its continuation."""
-    tree = RetrievalTree(n=4, capacity=1000)
+    tree = NgramAutomaton(n=4, capacity=1000)
     ctx = feed(tree, [1, 2, 3, 4, 9, 9, 9, 7, 2, 3], 10)
     assert ctx[-2:] == [2, 3]
     # Context ends "... 7 2 3"; "7 2 3" never occurred, but "2 3" -> root 4 did.
     assert [tree.string(b) for b in tree.borders(4)] == [(2, 3, 4), (3, 4)]
-    assert tree.retrieve(4, 10)[0] == [9]
+    assert tree.retrieve(4, 10)[0].path == [9]
 
 
 def test_bad_options():
     import pytest
 
     with pytest.raises(ValueError, match="n"):
-        RetrievalTree(n=1)
+        NgramAutomaton(n=1)
     with pytest.raises(ValueError, match="capacity"):
-        RetrievalTree(n=10, capacity=5)
+        NgramAutomaton(n=10, capacity=5)

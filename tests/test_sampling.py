@@ -13,11 +13,11 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from conftest import make_tiny_llama
 from racer.cli import main
-from racer.drafters import Drafter
+from racer.drafting import Drafter
 from racer.engine import Decoder
-from racer.sampling import SamplingParams, TokenChooser
-from racer.tree import DraftTree, TreeBuilder
-from racer.verify import TreeVerifier
+from racer.engine.sampling import SamplingParams, TokenChooser
+from racer.drafting.tree import DraftTree, TreeBuilder
+from racer.engine.verifier import TreeVerifier
 
 ALPHA_Z = 3.0902  # one-sided normal quantile for significance 0.001
 

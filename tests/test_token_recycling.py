@@ -5,9 +5,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from racer.drafters import make_drafter
-from racer.drafters.token_recycling import TEMPLATE, TokenRecyclingDrafter
-from racer.tree import DraftTree, TreeBuilder
+from racer.drafting import make_drafter, parse_method
+from racer.drafting.token_recycling import TEMPLATE, TokenRecyclingDrafter
+from racer.drafting.tree import DraftTree, TreeBuilder
 
 
 def rows(table: dict[int, list[int]]) -> tuple[list[int], np.ndarray]:
@@ -59,11 +59,12 @@ def test_deep_template_positions():
 
 
 def test_capacity_keeps_the_first_template_nodes():
-    d = make_drafter("token-recycling:capacity=5")
+    method = parse_method("token-recycling:capacity=5")
+    d = method.drafter
     d.begin([1], None)
     d.table.write([1, 2], np.array([[2, 3, 4, 5, 6, 7, 8, 9], [20, 21, 22, 23, 24, 25, 26, 27]]))
-    assert d.draft(1, 1000).tokens == (1, 2, 3, 4, 5)
-    assert d.draft(1, 3).tokens == (1, 2, 3)  # the engine's budget also caps it
+    assert d.draft(1, method.draft_size).tokens == (1, 2, 3, 4, 5)
+    assert d.draft(1, 3).tokens == (1, 2, 3)  # the room left in the context also caps it
 
 
 def test_every_verified_node_rewrites_its_row_last_write_wins():
@@ -90,7 +91,7 @@ def test_nothing_is_drafted_for_an_unknown_root():
 def test_prefill_option_fills_the_table_from_the_prompt():
     prompt, topk = [4, 5], np.array([[50, 51, 52, 53, 54, 55, 56, 57], [60, 61, 62, 63, 64, 65, 66, 67]])
     plain, prefilled = TokenRecyclingDrafter(), make_drafter("token-recycling:prefill=true")
-    assert prefilled.wants_prompt_topk and not plain.wants_prompt_topk
+    assert prefilled.needs.prompt and not plain.needs.prompt
     for d in (plain, prefilled):
         d.begin(prompt, topk)
     assert plain.draft(5, 100).tokens == (5,)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from racer.tree import DraftTree, TreeBuilder, chain
+from racer.drafting.tree import DraftTree, TreeBuilder, chain
 
 
 def test_builder_merges_shared_prefixes_and_flattens_breadth_first():

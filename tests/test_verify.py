@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from racer.tree import chain
-from racer.verify import TreeVerifier, UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
+from racer.drafting.tree import chain
+from racer.engine.selftest import UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
+from racer.engine.verifier import TreeVerifier
 
 
 def _check_tree(model, context, tree, kernel="model"):
@@ -169,7 +170,7 @@ def test_tree_attention_applies_only_where_it_is_exact(monkeypatch):
     from conftest import make_tiny_llama
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from racer.attention import tree_attention
+    from racer.fastpaths.attention import tree_attention
 
     assert tree_attention(make_tiny_llama("sdpa")) is not None
     assert tree_attention(make_tiny_llama("eager")) is None  # eager layers: their own arithmetic
@@ -184,7 +185,7 @@ def test_tree_attention_applies_only_where_it_is_exact(monkeypatch):
 def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch):
     """Calls without a mask, without grouped heads, or with arguments that change the
     attention (soft-capping, windows, sinks) go to transformers' own SDPA attention."""
-    import racer.attention as attention
+    import racer.fastpaths.attention as attention
 
     stock = []
     monkeypatch.setattr(attention, "_stock_sdpa", lambda: lambda *a, **k: stock.append(k) or ("stock", None))
@@ -204,13 +205,13 @@ def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch)
 
 
 def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, monkeypatch):
-    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
 
-    import racer.kvcache
-    import racer.verify as verify_module
-    from racer.kvcache import GrowingLayer, growing_cache
+    import racer.fastpaths.kvcache as kvcache
+    from racer.fastpaths import FastPaths
+    from racer.fastpaths.kvcache import GrowingLayer
 
-    monkeypatch.setattr(racer.kvcache, "_MIN_CAPACITY", 8)  # so that this short run grows several times
+    monkeypatch.setattr(kvcache, "_MIN_CAPACITY", 8)  # so that this short run grows several times
     grown = []
     grow = GrowingLayer._grow
     monkeypatch.setattr(GrowingLayer, "_grow", lambda self, *a: (grown.append(self), grow(self, *a)))
@@ -222,9 +223,8 @@ def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, mon
         tree = random_tree(rng, vocab, int(rng.integers(2, 16)), 5)
         steps.append((tree, tree.path_to(int(rng.integers(len(tree))))))
     runs = {}
-    for name, make in (("dynamic", lambda config: DynamicCache(config=config)), ("growing", growing_cache)):
-        monkeypatch.setattr(verify_module, "growing_cache", make)
-        verifier = TreeVerifier(tiny)
+    for name, fast_paths in (("dynamic", FastPaths(growing_cache=False)), ("growing", FastPaths())):
+        verifier = TreeVerifier(tiny, fast_paths)
         verifier.prefill(context)
         logits = []
         for tree, path in steps:
@@ -232,6 +232,7 @@ def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, mon
             verifier.commit(path, len(tree))
             layer = verifier.cache.layers[0]
             assert isinstance(layer, GrowingLayer) == (name == "growing")
+            assert name == "growing" or type(layer) is DynamicLayer
             assert layer.get_seq_length() == verifier.cached == layer.keys.shape[-2]
         runs[name] = (logits, sum(layer is verifier.cache.layers[0] for layer in grown), verifier.cached)
     assert runs["growing"][2] == runs["dynamic"][2]

@@ -1,16 +1,20 @@
-"""racer: lossless, training-free speculative decoding for Hugging Face causal LMs."""
+"""racer: lossless, training-free speculative decoding for Hugging Face causal LMs.
 
-from racer.budget import AcceptanceModel, DraftBudget
-from racer.cost import CostModel
-from racer.datastore import Datastore, DatastoreError, build_datastore
-from racer.drafters import METHODS, Drafter, make_drafter
-from racer.engine import Decoder, GenerationResult, StepStats, generate
+Layers, each a folder: ``drafting`` (draft methods, torch-free), ``budget`` (how much of
+a draft to verify), ``engine`` (the decoding loop with torch), ``fastpaths`` (optional
+CPU fast paths), ``bench`` (the benchmark); ``loading`` and ``cli`` around them.
+"""
+
+from racer.budget import AcceptanceModel, CostModel, DraftBudget
+from racer.drafting import METHODS, Drafter, DraftTree, Method, Needs, TreeBuilder, make_drafter, parse_method
+from racer.drafting.datastore import Datastore, DatastoreError, build_datastore
+from racer.engine import (Decoder, GenerationOptions, GenerationResult, StepStats, UnsupportedModelError,
+                          encode_prompt, generate)
+from racer.fastpaths import FastPaths
 from racer.loading import DEFAULT_MODEL, ModelNotFoundError, load_model, load_tokenizer
-from racer.tree import DraftTree, TreeBuilder
-from racer.verify import UnsupportedModelError
 
 __version__ = "0.1.0"
-__all__ = ["Decoder", "DraftTree", "Drafter", "GenerationResult", "METHODS", "ModelNotFoundError",
-           "StepStats", "TreeBuilder", "UnsupportedModelError", "DEFAULT_MODEL", "generate",
-           "load_model", "load_tokenizer", "make_drafter", "Datastore", "DatastoreError", "build_datastore",
-           "AcceptanceModel", "CostModel", "DraftBudget"]
+__all__ = ["AcceptanceModel", "CostModel", "DEFAULT_MODEL", "Datastore", "DatastoreError", "Decoder", "DraftBudget",
+           "DraftTree", "Drafter", "FastPaths", "GenerationOptions", "GenerationResult", "METHODS", "Method",
+           "ModelNotFoundError", "Needs", "StepStats", "TreeBuilder", "UnsupportedModelError", "build_datastore",
+           "encode_prompt", "generate", "load_model", "load_tokenizer", "make_drafter", "parse_method"]

@@ -1,4 +1,4 @@
-"""Command line: ``racer generate``, ``racer methods``."""
+"""Command line: ``racer generate``, ``methods``, ``bench``, ``cost`` and ``datastore build``."""
 
 from __future__ import annotations
 
@@ -13,14 +13,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def default_threads() -> int:
-    """The cores not already busy: all of them on an idle machine, fewer under load
-    (two threads contending with another process on two cores collapse badly)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        busy = round(os.getloadavg()[0])
-    except OSError:
-        busy = 0
-    return max(1, min(cores, cores - busy))
+    """The cores this process may run on. Never the load of the moment: the thread
+    count is part of the cost table's key, so a load-dependent default would calibrate
+    afresh whenever the machine is busy and keep a table measured under load for good.
+    ``--threads`` sets fewer where other work shares the cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _positive(text: str) -> int:
@@ -38,7 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: where the model loads)")
     p.add_argument("--threads", type=_positive, default=None,
-                   help="CPU threads for torch (default: free cores; with OMP_WAIT_POLICY=PASSIVE)")
+                   help="CPU threads for torch (default: every core this process may use; with OMP_WAIT_POLICY=PASSIVE)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +47,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace) -> dict:
-    from racer.sampling import SamplingParams
+    from racer.engine import SamplingParams
 
     params = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -124,15 +121,17 @@ def _setup_torch(threads: int | None) -> int:
 
 
 def _cmd_methods() -> int:
-    from racer.drafters import METHODS, method_options
+    from racer.drafting import METHODS, method_options
 
-    def shown(value: object) -> str:
+    def shown(key: str, value: object) -> str:
+        if key == "capacity" and value is None:
+            return "(all it drafts)"
         return "(required)" if value == "" else "(by variant)" if value is None else str(value)
 
     width = max(len(name) for name in METHODS) + 2
     for name, (_, summary) in METHODS.items():
         print(f"{name:<{width}}{summary}")
-        options = ", ".join(f"{k}={shown(v)}" for k, v in method_options(name).items())
+        options = ", ".join(f"{k}={shown(k, v)}" for k, v in method_options(name).items())
         if options:
             print(f"{'':<{width}}options: {options}")
     print("\nUse as NAME or NAME:key=value:key=value, e.g. --method racer:capacity=16")
@@ -143,38 +142,33 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from transformers.utils import logging as hf_logging
 
-    from racer.cost import cost_file
-    from racer.drafters import make_drafter
-    from racer.engine import Decoder, GenerationResult
-    from racer.loading import load_model
+    from racer import Decoder, GenerationOptions, GenerationResult, load_model, parse_method
 
     err = Console(stderr=True, soft_wrap=True)
-    drafter = make_drafter(args.method)  # fail on a bad method before loading anything
-    sampling = _sampling(args)
+    method = parse_method(args.method)  # fail on a bad method before loading anything
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw,
+                                **_sampling(args))
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if drafter.drafts and not cost_file(model).exists():
-        err.print("timing verification passes once for this model and hardware "
-                  f"(cached in {cost_file(model).parent})")
-    decoder = Decoder(model, tokenizer, drafter)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw, **sampling)
+    decoder = Decoder(model, tokenizer, method)
+    decoder.calibrate(announce=lambda line: err.print(line))
     # Warm-up (not reported) with plain decoding, so no drafter memory sees the prompt early.
-    Decoder(model, tokenizer, "none", check=False).generate(args.prompt, **{**kwargs, "max_new_tokens": 4})
+    Decoder(model, tokenizer, "none", check=False).generate(args.prompt, options, max_new_tokens=4)
 
-    result = GenerationResult(tokens=[], text="", prompt_tokens=0)
-    for piece in decoder.stream(args.prompt, result=result, **kwargs):
+    result = GenerationResult.empty()
+    for piece in decoder.stream(args.prompt, options, result=result):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     err.print(f"[bold]{args.method}[/]: {len(result.tokens)} tokens, {result.passes} passes, "
               f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
-    if result.steps and drafter.auto_capacity:
+    if result.steps and method.auto:
         sizes = [s.tree_size for s in result.steps]
         err.print(f"draft budget: {sum(sizes) / len(sizes):.1f} nodes verified per step on average "
                   f"(of {sum(s.candidates for s in result.steps) / len(sizes):.1f} proposed), largest {max(sizes)}")
     if args.compare:
-        plain = Decoder(model, tokenizer, "none").generate(args.prompt, **kwargs)
+        plain = Decoder(model, tokenizer, "none").generate(args.prompt, options)
         speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
         greedy = args.temperature == 0
         err.print(f"[bold]plain {'greedy' if greedy else 'sampling'}[/]: {len(plain.tokens)} tokens, "
@@ -206,18 +200,18 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
         if args.warmup < 0:
             raise ValueError(f"warmup: expected 0 or more prompts, got {args.warmup}")
-        from racer.drafters import make_drafter
+        from racer import parse_method
 
         for spec in methods:  # fail on a bad method before loading anything
             if spec not in ("ar",) + bench.HF_METHODS:
-                make_drafter(spec)
+                parse_method(spec)
         sampling = _sampling(args)
         questions = bench.iter_questions([d.strip() for d in args.datasets.split(",") if d.strip()], args.limit)
         threads = _setup_torch(args.threads)
         import torch
         from transformers.utils import logging as hf_logging
 
-        from racer.loading import load_model
+        from racer import load_model
 
         hf_logging.disable_progress_bar()
         torch.manual_seed(args.seed or 0)
@@ -244,8 +238,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 def _cmd_datastore(args: argparse.Namespace) -> int:
     import time
 
-    from racer.datastore import build_datastore
-    from racer.loading import DEFAULT_MODEL, load_tokenizer
+    from racer import DEFAULT_MODEL, build_datastore, load_tokenizer
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.model)
@@ -259,9 +252,9 @@ def _cmd_datastore(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from racer.cost import cost_file, disk_cache_enabled, load_or_measure
+    from racer.budget.calibration import cost_file, disk_cache_enabled, load_or_measure
+    from racer.fastpaths import KERNEL_LABELS
     from racer.loading import load_model
-    from racer.kernels import KERNEL_LABELS
 
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()

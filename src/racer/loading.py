@@ -105,7 +105,6 @@ def _embedded_folder() -> Path:
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.mkdir(parents=True, exist_ok=True)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is equivalent

@@ -4,9 +4,8 @@ Given a custom mask, Hugging Face's SDPA attention first repeats every key and v
 head of the whole cache up to the number of query heads, because on CUDA torch's
 grouped-query SDPA falls back to its slowest kernel when a mask is given. On the CPU,
 torch's SDPA takes the mask and the grouped heads together, and the repeat is a copy of
-the cache in every layer of every tree pass: 5-12 % of a tree pass of the embedded model
-(3 KV heads for 9 query heads, 500 cached tokens) on this project's 2-core EPYC
-(``scripts/measure_engine.py attention``).
+the cache in every layer of every tree pass (``python -m racer.bench.measure attention``
+times what that costs).
 
 ``tree_attention(model)`` switches the model's SDPA layers, for the duration of one
 tree pass, to ``tree_sdpa``, registered with transformers' ``AttentionInterface``; no

@@ -1,5 +1,6 @@
-"""Benchmark questions: Spec-Bench, HumanEval, MGSM-ZH, or any JSONL of the same
-format (``{"question_id", "category", "turns": [...]}``)."""
+"""Benchmark questions: Spec-Bench, HumanEval, MGSM-ZH (shipped with the package, in
+``racer/bench/data``; licences in its README), or any JSONL of the same format
+(``{"question_id", "category", "turns": [...]}``)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,10 @@ class Question:
 
 
 def data_dir() -> Path:
-    """$RACER_DATA, else the project's shared/data beside or above the working dir
-    or the source tree."""
+    """$RACER_DATA if set, else the questions shipped inside the package."""
     if os.environ.get("RACER_DATA"):
         return Path(os.environ["RACER_DATA"])
-    here = Path(__file__).resolve()
-    for base in (Path.cwd(), Path.cwd().parent, here.parents[2], here.parents[3]):
-        candidate = base / "shared" / "data"
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError("datasets: no shared/data folder found; set RACER_DATA to the folder holding "
-                            + ", ".join(f"{d}.jsonl" for d in DATASETS))
+    return Path(__file__).resolve().parent / "data"
 
 
 def load_questions(dataset: str, limit: int | None = None) -> list[Question]:
@@ -42,6 +36,9 @@ def load_questions(dataset: str, limit: int | None = None) -> list[Question]:
     the first N of each category."""
     if dataset in DATASETS:
         path, name = data_dir() / f"{dataset}.jsonl", dataset
+        if not path.is_file():
+            raise ValueError(f"dataset {dataset}: {path} is missing (RACER_DATA={os.environ.get('RACER_DATA')!r}); "
+                             f"expected a folder holding {', '.join(f'{d}.jsonl' for d in DATASETS)}")
     else:
         path, name = Path(dataset), Path(dataset).stem
         if not path.is_file():

@@ -8,13 +8,12 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter, parse_capacity
-from racer.drafters.logits_tree import LOGITS_SOURCE, CopyLogitTable, expand, logits_feature
-from racer.drafters.retrieval import RetrievalTree
-from racer.tree import DraftTree, TreeBuilder
+from racer.drafting.automaton import NgramAutomaton
+from racer.drafting.base import Drafter, Needs
+from racer.drafting.copy_logit import LOGITS_SOURCE, CopyLogitTable, expand_logits_tree, logits_feature
+from racer.drafting.tree import DraftTree, TreeBuilder
 
 RETRIEVAL_SOURCE = 1
-GENEROUS_CAPACITY = 64  # candidate nodes with capacity=auto: the paper's fixed capacity
 
 
 def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
@@ -22,7 +21,7 @@ def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
     backs off along this order): whether the model's own earlier prediction after the
     parent token agrees (1: rank 1 of its copy-logit row, 2: lower in the row, 0: not in
     it; on 10 HumanEval prompts right 86 / 53 / 30 % of the time:
-    ``scripts/measure_engine.py evidence``), how long the context match behind it is, and how often its
+    ``python -m racer.bench.measure evidence``), how long the context match behind it is, and how often its
     trie parent continued with it (freq ratio, in quarters)."""
     return ("retrieval", agreement, min(border_depth, 6), min(int(ratio * 4), 4))
 
@@ -38,11 +37,8 @@ _CHOICES = {
 class RacerDrafter(Drafter):
     """Options (reference behaviour as defaults):
 
-    - ``n``: n-gram length of the Retrieval Tree (10); ``nodes``: its node capacity (10,000)
+    - ``n``: n-gram length of the retrieval automaton (10); ``nodes``: its node capacity (10,000)
     - ``k``: copy-logit row width and root breadth (8)
-    - ``capacity``: auto (default: a 64-node candidate tree, of which the draft budget
-      verifies the part worth its cost on this hardware) or a fixed node count, root
-      included (the paper: 64)
     - ``min_border``: shortest suffix match that retrieval uses (2)
     - ``chain``: draft a single path instead of a tree
     - ``sources``: both | retrieval | logits (the paper's ablation)
@@ -52,29 +48,24 @@ class RacerDrafter(Drafter):
     """
 
     name = "racer"
-    wants_prompt_topk = True
+    default_capacity = "auto"
+    candidates = 64  # proposed with capacity=auto: the paper's fixed capacity
 
-    def __init__(self, capacity: int | str = "auto", n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2,
-                 chain: bool = False, sources: str = "both", logits: str = "copy", update: str = "all",
-                 memory: str = "kept") -> None:
+    def __init__(self, n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2, chain: bool = False,
+                 sources: str = "both", logits: str = "copy", update: str = "all", memory: str = "kept") -> None:
         for option, value in (("sources", sources), ("logits", logits), ("update", update), ("memory", memory)):
             if value not in _CHOICES[option]:
                 raise ValueError(f"racer: {option}: expected one of {', '.join(_CHOICES[option])}, got {value!r}")
-        size, self.auto_capacity = parse_capacity("racer", capacity, GENEROUS_CAPACITY)
         if min_border < 1:
             raise ValueError(f"racer: min_border: expected at least 1, got {min_border}")
-        self.options = dict(capacity=capacity, n=n, nodes=nodes, k=k, min_border=min_border, chain=bool(chain),
-                            sources=sources, logits=logits, update=update, memory=memory)
-        self.capacity, self.n, self.nodes, self.k = size, n, nodes, k
-        self.min_border, self.chain = min_border, bool(chain)
+        self.n, self.nodes, self.k, self.min_border, self.chain = n, nodes, k, min_border, bool(chain)
+        self.sources, self.logits, self.update, self.memory = sources, logits, update, memory
         self.use_retrieval = sources in ("both", "retrieval")
         self.use_logits = sources in ("both", "logits")
         self.last_logit, self.accepted_only, self.fresh = logits == "last", update == "accepted", memory == "fresh"
-        self.topk = k + 1 if self.last_logit else k
-        self.wants_prompt_topk = self.use_logits
-        if not self.use_logits:
-            self.topk = 0
-        self.retrieval = RetrievalTree(n, nodes)
+        # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
+        self.needs = Needs(topk=k + 1 if self.last_logit else k, prompt=True) if self.use_logits else Needs()
+        self.automaton = NgramAutomaton(n, nodes)
         self.table = CopyLogitTable(k)
         self._last_row: tuple[int, ...] = ()
         self._context: list[int] = []
@@ -83,18 +74,15 @@ class RacerDrafter(Drafter):
         self.accepted_ranks: Counter[int] = Counter()
         self.accepted_by_source: Counter[int] = Counter()
 
-    def describe(self) -> dict:
-        return {"method": self.name, **self.options}
-
     # -- request lifecycle -------------------------------------------------------------
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.accepted_ranks, self.accepted_by_source = Counter(), Counter()
         if self.fresh:
-            self.retrieval = RetrievalTree(self.n, self.nodes)
+            self.automaton = NgramAutomaton(self.n, self.nodes)
             self.table = CopyLogitTable(self.k)
         self._context = [int(t) for t in prompt]
         if self.use_retrieval:
-            self.retrieval.start(self._context)
+            self.automaton.start(self._context)
         if prompt_topk is not None:
             self.table.write(self._context, prompt_topk)
             self._last_row = tuple(prompt_topk[-1].tolist())
@@ -112,18 +100,17 @@ class RacerDrafter(Drafter):
         return 1 if row[0] == token else 2
 
     def draft(self, root: int, budget: int) -> DraftTree:
-        capacity = min(self.capacity, budget)
-        builder = TreeBuilder(root, capacity)
-        if self.use_retrieval and capacity > 1:
-            paths = self.retrieval.retrieve_evidence(root, capacity - 1, self.min_border)
+        builder = TreeBuilder(root, budget)
+        if self.use_retrieval and budget > 1:
+            found = self.automaton.retrieve(root, budget - 1, self.min_border)
             if self.chain:  # the deepest of the most frequent continuations
-                paths = [max(paths, key=lambda p: len(p[0]))] if paths else []
-            for path, evidence in paths:
-                parents = [root] + path[:-1]
-                features = [retrieval_feature(self._agreement(parent, token), border, ratio)
-                            for parent, token, (border, ratio) in zip(parents, path, evidence)]
-                builder.add_path(path, RETRIEVAL_SOURCE, features=features)
-        left = capacity - len(builder)
+                found = [max(found, key=lambda c: len(c.path))] if found else []
+            for continuation in found:
+                parents = [root] + continuation.path[:-1]
+                features = [retrieval_feature(self._agreement(parent, token), continuation.border, ratio)
+                            for parent, token, ratio in zip(parents, continuation.path, continuation.ratios)]
+                builder.add_path(continuation.path, RETRIEVAL_SOURCE, features=features)
+        left = budget - len(builder)
         if self.use_logits and left > 0:
             if self.chain:
                 node = len(builder) - 1 if len(builder) > 1 else 0
@@ -135,7 +122,7 @@ class RacerDrafter(Drafter):
                                              logits_feature(0, builder.depths[node] + 1))
                     left -= 1
             else:
-                expand(builder, self._candidates, self.k, left)
+                expand_logits_tree(builder, self._candidates, self.k, left)
         return builder.build()
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
@@ -155,19 +142,14 @@ class RacerDrafter(Drafter):
         for i in accepted:
             ctx.append(tree.tokens[i])
             if self.use_retrieval:
-                self.retrieval.extend(ctx)
+                self.automaton.extend(ctx)
         if len(ctx) > 4 * self.n:  # only the last n tokens are ever needed
             del ctx[: len(ctx) - self.n]
 
     def request_stats(self) -> dict:
         stats = {"accepted_source": {("retrieval" if s == RETRIEVAL_SOURCE else "logits"): c
                                      for s, c in sorted(self.accepted_by_source.items())},
-                 "retrieval_nodes": self.retrieval.live}
+                 "retrieval_nodes": self.automaton.live}
         if self.use_logits:  # ranks in a table that was never filled would read as "not in the row"
             stats["accepted_rank"] = {str(r): c for r, c in sorted(self.accepted_ranks.items())}
         return stats
-
-    def copy_logit_rank1_share(self) -> float:
-        """Share of accepted draft tokens that were rank 1 in their copy-logit row."""
-        total = sum(self.accepted_ranks.values())
-        return self.accepted_ranks[1] / total if total else 0.0

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from racer.tree import DraftTree
+from racer.drafting.tree import DraftTree
 
 
 @dataclass(frozen=True)

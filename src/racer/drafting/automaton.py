@@ -1,5 +1,5 @@
-"""RACER's Retrieval Tree: an Aho–Corasick automaton over the context's n-grams with a
-fixed node capacity and LRU eviction of leaves.
+"""RACER's retrieval source (the paper's "Retrieval Tree"): an Aho–Corasick automaton
+over the context's n-grams with a fixed node capacity and LRU eviction of leaves.
 
 Invariants kept at every moment (the property tests check them against brute force):
 - every node's failure link is the node of the longest proper suffix of its string
@@ -11,13 +11,24 @@ Invariants kept at every moment (the property tests check them against brute for
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 ROOT = 0
 _FREE = -2  # parent value of a recycled slot
 
 
-class RetrievalTree:
+class Continuation(NamedTuple):
+    """A retrieved continuation: the tokens after the root, its end node's ``freq``, the
+    depth of the border it hangs from (how many context tokens matched) and, per token,
+    its node's freq over its trie parent's."""
+
+    path: list[int]
+    freq: int
+    border: int
+    ratios: list[float]
+
+
+class NgramAutomaton:
     def __init__(self, n: int = 10, capacity: int = 10_000) -> None:
         if n < 2:
             raise ValueError(f"n: expected an n-gram length of at least 2, got {n}")
@@ -218,29 +229,18 @@ class RetrievalTree:
                 return found
             state = self.fail[state]
 
-    def retrieve(self, root: int, limit: int, min_depth: int = 2) -> list[list[int]]:
+    def retrieve(self, root: int, limit: int, min_depth: int = 2) -> list[Continuation]:
         """Up to ``limit`` continuations (token paths after ``root``) from all border
         subtrees, the most frequent nodes first; ties go to the shallower."""
-        return [path for _, path in self.retrieve_scored(root, limit, min_depth)]
-
-    def retrieve_scored(self, root: int, limit: int, min_depth: int = 2) -> list[tuple[int, list[int]]]:
-        """``retrieve`` with each path's end-node ``freq``."""
-        return [(self.freq[end], path) for end, path in self._retrieve(root, limit, min_depth)]
-
-    def retrieve_evidence(self, root: int, limit: int,
-                          min_depth: int = 2) -> list[tuple[list[int], list[tuple[int, float]]]]:
-        """``retrieve`` with, for each path node, the depth of the border it hangs from
-        (how many context tokens matched) and its freq over its trie parent's."""
         out = []
         for end, path in self._retrieve(root, limit, min_depth):
-            evidence = []
+            ratios = []
             node = end
             for _ in path:
                 parent = self.parent[node]
-                evidence.append(self.freq[node] / max(self.freq[parent], 1))
+                ratios.append(self.freq[node] / max(self.freq[parent], 1))
                 node = parent
-            border = self.depth[node]
-            out.append((path, [(border, ratio) for ratio in reversed(evidence)]))
+            out.append(Continuation(path, self.freq[end], self.depth[node], ratios[::-1]))
         return out
 
     def _retrieve(self, root: int, limit: int, min_depth: int) -> list[tuple[int, list[int]]]:

@@ -1,11 +1,13 @@
-"""Engine costs and 16-bit agreement, for the numbers quoted in the README.
+"""Timings of the engine's parts and 16-bit agreement, for the figures in the docs. The
+one module of the benchmark that reaches inside the engine: its job is timing parts of
+a step that the public API does not expose.
 
-    .venv/bin/python scripts/measure_engine.py costs
-    .venv/bin/python scripts/measure_engine.py agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
-    .venv/bin/python scripts/measure_engine.py kernels --threads 2
-    .venv/bin/python scripts/measure_engine.py attention --threads 2
-    .venv/bin/python scripts/measure_engine.py evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
-    .venv/bin/python scripts/measure_engine.py append --threads 2
+    python -m racer.bench.measure costs
+    python -m racer.bench.measure agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
+    python -m racer.bench.measure kernels --threads 2
+    python -m racer.bench.measure attention --threads 2
+    python -m racer.bench.measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
+    python -m racer.bench.measure append --threads 2
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import numpy as np
 import torch
 
 import racer
-from racer.budget import evidence_levels
-from racer.data import load_questions
+from racer.bench.questions import load_questions
+from racer.budget import DraftBudget, evidence_levels
+from racer.drafting.tree import DraftTree, chain
 from racer.engine import encode_prompt
-from racer.sampling import accept_greedy
-from racer.tree import DraftTree, chain
-from racer.kernels import KERNEL_LABELS, KERNELS, packed_weights
-from racer.verify import TreeVerifier, random_tree
+from racer.engine.sampling import accept_greedy
+from racer.engine.selftest import random_tree
+from racer.engine.verifier import TreeVerifier
+from racer.fastpaths import KERNEL_LABELS, KERNELS
+from racer.fastpaths.kernels import packed_weights
 
 
 def costs(threads: int) -> None:
@@ -88,7 +92,7 @@ def kernels(threads: int, repeats: int = 7) -> None:
 
 def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
     """Tree passes with the stock SDPA path (the cache's KV heads repeated for the mask)
-    and with tree attention (``racer.attention``), interleaved on the same random trees
+    and with tree attention (``racer.fastpaths.attention``), interleaved on the same random trees
     and chains: median ms per pass and the largest logit difference between the two."""
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
@@ -125,11 +129,11 @@ def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
 
 def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -> None:
     """What appending one tree pass's KV to every layer's cache costs: Hugging Face's
-    DynamicCache (a torch.cat of the whole cache per layer) against racer.kvcache's
+    DynamicCache (a torch.cat of the whole cache per layer) against racer.fastpaths.kvcache's
     in-place layers, beside a whole tree pass of that size on that cache."""
     from transformers import DynamicCache
 
-    from racer.kvcache import growing_cache
+    from racer.fastpaths.kvcache import growing_cache
 
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
@@ -140,7 +144,7 @@ def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -
     layers = range(config.num_hidden_layers)
     timings = {}
     for name, cache in (("DynamicCache (torch.cat)", DynamicCache(config=config)),
-                        ("racer.kvcache (in place)", growing_cache(config))):
+                        ("racer.fastpaths.kvcache (in place)", growing_cache(config))):
         for layer in layers:
             cache.update(*kv, layer)
         samples = []
@@ -182,7 +186,8 @@ def evidence(dataset: str, limit: int, tokens: int, threads: int, method: str = 
     torch.set_num_threads(threads)
     model, tok = racer.load_model()
     decoder = racer.Decoder(model, tok, method)
-    if decoder.budget is None:
+    decoder.calibrate()
+    if not isinstance(decoder.budget, DraftBudget):
         raise SystemExit(f"{method}: expected a drafter with capacity=auto")
     steps: list[tuple[DraftTree, DraftTree]] = []
     select = decoder.budget.select

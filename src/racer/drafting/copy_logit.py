@@ -1,14 +1,14 @@
-"""RACER's Logits Tree: a copy-logit table of the model's own earlier predictions,
-expanded breadth-first with halving breadths."""
+"""RACER's copy-logit source: a table of the model's own earlier predictions, grown
+into the paper's "Logits Tree" breadth-first with halving breadths."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from racer.tree import TreeBuilder
+from racer.drafting.tree import TreeBuilder
 
 LOGITS_SOURCE = 2
 
@@ -50,7 +50,7 @@ def child_breadth(breadth: int, rank: int, parent_depth: int) -> int:
     return max(1, breadth >> shift)
 
 
-def expand(builder: TreeBuilder, candidates, k: int, budget: int) -> int:
+def expand_logits_tree(builder: TreeBuilder, candidates: Callable[[int], Sequence[int]], k: int, budget: int) -> int:
     """Grow ``builder`` breadth-first from its root: node u with breadth b gets the
     first b ids of ``candidates(u_token)`` as children. At most ``budget`` proposals
     (counted whether or not they merge with nodes already there); returns how many."""

@@ -7,57 +7,16 @@ The stock modeling code takes a prepared 4D mask as-is, so no model file is patc
 from __future__ import annotations
 
 import inspect
-import weakref
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 
-from racer.attention import TreeAttention, tree_attention
-from racer.kernels import KERNELS, LinearKernels
-from racer.kvcache import growing_cache
-from racer.tree import DraftTree, TreeBuilder
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot verify a tree losslessly with a custom attention mask."""
-
-
-# Families whose layers keep no per-token KV (state-space / recurrent) or that add
-# position information the mask cannot express.
-_RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "jamba", "rwkv", "recurrent_gemma",
-                    "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "xlstm"}
-_ALIBI_TYPES = {"bloom", "mpt", "falcon"}  # falcon only when config.alibi
-
-
-def _check_supported(model: Any) -> None:
-    config = model.config
-    kind = getattr(config, "model_type", "?")
-    attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn.startswith("flash") or attn.startswith("flex") or "paged" in attn:
-        raise UnsupportedModelError(
-            f"attn_implementation={attn!r} cannot take a custom 4D tree mask; "
-            "load the model with attn_implementation='sdpa' or 'eager'"
-        )
-    if kind in _RECURRENT_TYPES:
-        raise UnsupportedModelError(f"model type {kind!r} has recurrent/state-space layers; tree verification needs attention KV")
-    if kind in _ALIBI_TYPES and (kind != "falcon" or getattr(config, "alibi", False)):
-        raise UnsupportedModelError(f"model type {kind!r} uses ALiBi, whose bias the tree mask would misplace")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
-    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) and not layer_types:
-        sliding = True
-    if sliding:
-        raise UnsupportedModelError(f"model type {kind!r} uses sliding-window attention; its cache cannot be compacted losslessly")
-
-
-def tolerance(dtype: torch.dtype, scale: float) -> float:
-    """Logit tolerance between batched-tree and sequential decoding, for logits of
-    magnitude up to ``scale``. float32 agrees to ~1e-4 on the embedded model; 16-bit
-    formats keep ~3 significant digits, so their bound is relative (measured: 0.81 on
-    logits of ~30 in bfloat16), still far below what a wrong mask produces."""
-    return 2e-3 if dtype == torch.float32 else 0.06 * max(scale, 1.0)
+from racer.drafting.tree import DraftTree
+from racer.fastpaths import KERNELS, FastPaths
+from racer.fastpaths.attention import TreeAttention, tree_attention
+from racer.fastpaths.kernels import LinearKernels
+from racer.fastpaths.kvcache import growing_cache
 
 
 def _model_kernel(size: int) -> str:
@@ -68,8 +27,9 @@ class TreeVerifier:
     """Holds one request's KV cache. Invariant between steps: the cache holds every
     context token except the last emitted one, which is the next tree's root."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, fast_paths: FastPaths = FastPaths()) -> None:
         self.model = model
+        self.fast_paths = fast_paths
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if "logits_to_keep" in params:
@@ -89,17 +49,18 @@ class TreeVerifier:
         self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
         # heads (None where it does not apply: see ``racer.attention``).
-        self.tree_attention: TreeAttention | None = tree_attention(model)
+        self.tree_attention: TreeAttention | None = tree_attention(model) if fast_paths.tree_attention else None
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every
         kernel it can return, so that what they need (packed weights) is built now, not
         inside the first timed step. Where a kernel cannot run here (no packed weights),
-        its sizes run the model's own layers."""
+        its sizes run the model's own layers, and so does every size with the kernels
+        fast path off."""
         used = set(used)
         if not used <= set(KERNELS):
             raise ValueError(f"kernels: expected names from {KERNELS}, got {sorted(used)}")
-        runnable = {k for k in used if self.kernels.available(k)}
+        runnable = {k for k in used if self.fast_paths.kernels and self.kernels.available(k)}
         for kernel in runnable:
             self.kernels.prepare(kernel)
 
@@ -128,7 +89,7 @@ class TreeVerifier:
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Start a request: cache ``ids`` and return the logits at the last position
         (or at every position when ``all_logits``), shape (L or 1, vocab)."""
-        self.cache = growing_cache(self.model.config)
+        self.cache = growing_cache(self.model.config, self.fast_paths.growing_cache)
         self.cached = 0
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -189,56 +150,3 @@ class TreeVerifier:
         if tree_size > kept:
             self.cache.crop(-(tree_size - kept))
 
-
-_checked: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-def random_tree(rng: np.random.Generator, vocab: int, size: int, max_depth: int) -> DraftTree:
-    """A random branching tree (for self-tests): each new node hangs under a random
-    existing node of depth < max_depth."""
-    builder = TreeBuilder(int(rng.integers(vocab)), size)
-    while len(builder) < size:
-        parent = int(rng.integers(len(builder)))
-        if builder.depths[parent] < max_depth:
-            builder.add_child(parent, int(rng.integers(vocab)))
-    return builder.build()
-
-
-def sequential_logits(model: Any, context: Sequence[int], tree: DraftTree) -> torch.Tensor:
-    """Reference: each node's logits from plain decoding of context + its path."""
-    verifier = TreeVerifier(model)
-    rows = []
-    for node in range(len(tree)):
-        path = [tree.tokens[i] for i in tree.path_to(node)]
-        rows.append(verifier.prefill(list(context) + path)[-1])
-    return torch.stack(rows)
-
-
-def self_test(model: Any, seed: int = 0) -> float:
-    """Check once per model that tree verification matches sequential decoding;
-    returns the largest logit difference. Raises UnsupportedModelError otherwise."""
-    _check_supported(model)
-    if model in _checked:
-        return 0.0
-    rng = np.random.default_rng(seed)
-    vocab = int(model.config.vocab_size)
-    context = [int(t) for t in rng.integers(vocab, size=5)]
-    tree = random_tree(rng, vocab, 7, 3)
-    try:
-        verifier = TreeVerifier(model)
-        verifier.prefill(context)
-        got = verifier.verify(tree).float()
-        want = sequential_logits(model, context, tree).float()
-    except Exception as err:  # an exotic modeling file: say what failed, not where
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: tree verification failed its self-test ({type(err).__name__}: {err})"
-        ) from err
-    error = float((got - want).abs().max())
-    limit = tolerance(verifier.dtype, float(want.abs().max()))
-    if not error <= limit:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: tree-verified logits differ from sequential decoding by {error:.3g} "
-            f"(> {limit}); this model's attention does not honour a custom 4D mask"
-        )
-    _checked[model] = True
-    return error

@@ -4,14 +4,14 @@ in ways that read the weights fewer times for a few rows.
 On a CPU a tree pass is bound by reading the weights. How often a BLAS reads them
 depends on the number of rows: here (MKL on a 2-core EPYC) ``x @ W.T`` for 2-16 rows
 costs up to twice one row, while ``W @ x.T`` and oneDNN's pre-packed weights read the
-weights about once for up to 4-8 rows (``scripts/measure_engine.py kernels``). Which
+weights about once for up to 4-8 rows (``python -m racer.bench.measure kernels``). Which
 kernel is fastest for which tree size is measured per machine by the cost model
-(``racer.cost.measure``); this module only computes.
+(``racer.budget.calibration.measure``); this module only computes.
 
 A kernel is installed for one pass by giving each plain ``nn.Linear`` module an
 instance ``forward`` and taking it away afterwards. An earlier version intercepted
-``linear`` with a ``TorchFunctionMode`` instead; that sends every torch call of the
-pass through Python and cost 18-25 ms of a 85 ms pass of the embedded model here.
+``linear`` with a ``TorchFunctionMode`` instead, which sends every torch call of the
+pass through Python.
 Modules that already carry an instance ``forward`` (accelerate's hooks), subclasses
 (quantised layers) and weights of other dtypes than their inputs keep the model's
 own path. A model shared between threads must not run another forward pass while a
@@ -27,11 +27,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-# "model": the model's own layers; "weight_major": ``(W @ x.T).T``; "packed": oneDNN
-# from weights packed once; "hybrid": weight-major layers with a packed output layer
-# (the output layer, vocabulary x hidden, is the largest single matrix by far).
-KERNELS = ("model", "weight_major", "packed", "hybrid")
-KERNEL_LABELS = {"model": "stock", "weight_major": "W@x.T", "packed": "packed", "hybrid": "hybrid"}
+from racer.fastpaths import KERNELS
+
 _NEEDS_PACKED = ("packed", "hybrid")
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

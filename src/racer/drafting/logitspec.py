@@ -7,8 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter, parse_capacity
-from racer.tree import DraftTree, TreeBuilder
+from racer.drafting.base import Drafter, Needs
+from racer.drafting.tree import DraftTree, TreeBuilder
 
 ROOT_CHAIN_SOURCE = 1
 GUESS_SOURCE = 2
@@ -64,10 +64,8 @@ class NgramIndex:
 
 
 class LogitSpecDrafter(Drafter):
-    """Options:
+    """Options (a fixed ``capacity`` of 64 is the original's):
 
-    - ``capacity``: auto (default: 64 candidate nodes, of which the draft budget verifies
-      the part worth its cost) or a fixed node count, root included (the original: 64)
     - ``guesses``: next-next-token guesses come from the top-``guesses`` of the last
       logits, minus the root (64)
     - ``max_ngram`` (3), ``length`` (20): the context index
@@ -77,32 +75,26 @@ class LogitSpecDrafter(Drafter):
     """
 
     name = "logitspec"
-    topk_nodes = "last"
+    default_capacity = "auto"
+    candidates = 64
 
-    def __init__(self, capacity: int | str = "auto", guesses: int = 64, max_ngram: int = 3, length: int = 20,
-                 merge: bool = True) -> None:
-        capacity, self.auto_capacity = parse_capacity("logitspec", capacity, 64)
+    def __init__(self, guesses: int = 64, max_ngram: int = 3, length: int = 20, merge: bool = True) -> None:
         for option, value in (("guesses", guesses), ("max_ngram", max_ngram),
                               ("length", length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"logitspec: {option}: expected a positive integer, got {value!r}")
-        self.capacity, self.guesses, self.merge = capacity, guesses, bool(merge)
-        self.topk = guesses
+        self.guesses, self.max_ngram, self.length, self.merge = guesses, max_ngram, length, bool(merge)
+        self.needs = Needs(topk=guesses, at="last")
         self.index = NgramIndex(max_ngram, length)
         self._last_row: list[int] = []
-
-    def describe(self) -> dict:
-        return {"method": self.name, "capacity": "auto" if self.auto_capacity else self.capacity, "guesses": self.guesses,
-                "max_ngram": self.index.max_n, "length": self.index.length, "merge": self.merge}
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.index.reset(prompt)
         self._last_row = prompt_topk[-1].tolist() if prompt_topk is not None else []
 
     def draft(self, root: int, budget: int) -> DraftTree:
-        capacity = min(self.capacity, budget)
-        builder = TreeBuilder(root, capacity)
-        room = capacity - 1  # draft tokens allowed besides the root
+        builder = TreeBuilder(root, budget)
+        room = budget - 1  # draft tokens allowed besides the root
         tail = self.index.context[-self.index.max_n :] + [root]
         proposed = 0
 

@@ -8,9 +8,9 @@ from typing import Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter, parse_capacity
-from racer.drafters.logits_tree import CopyLogitTable, logits_feature
-from racer.tree import DraftTree, TreeBuilder
+from racer.drafting.base import Drafter, Needs
+from racer.drafting.copy_logit import CopyLogitTable, logits_feature
+from racer.drafting.tree import DraftTree, TreeBuilder
 
 
 def _parse_template(levels: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -33,29 +33,23 @@ TEMPLATE_WIDTH = 1 + max(rank for path in TEMPLATE for rank in path)
 
 
 class TokenRecyclingDrafter(Drafter):
-    """Options:
+    """Options (a fixed ``capacity`` of 81 is the original's whole template; fewer keeps
+    the template's first nodes, which are its most probable ones):
 
-    - ``capacity``: auto (default: the whole template as candidates, of which the draft
-      budget verifies the part worth its cost) or a fixed node count, root included
-      (81: the whole template, as the original; fewer keeps the template's first nodes,
-      which are its most probable ones)
     - ``prefill``: also fill the table from the prompt's logits (the original does not)
     - ``memory``: kept (the original: the table lives across requests) | fresh
     """
 
     name = "token-recycling"
-    topk = TEMPLATE_WIDTH
+    default_capacity = "auto"
+    candidates = len(TEMPLATE) + 1
 
-    def __init__(self, capacity: int | str = "auto", prefill: bool = False, memory: str = "kept") -> None:
-        size, self.auto_capacity = parse_capacity("token-recycling", capacity, len(TEMPLATE) + 1)
+    def __init__(self, prefill: bool = False, memory: str = "kept") -> None:
         if memory not in ("kept", "fresh"):
             raise ValueError(f"token-recycling: memory: expected kept or fresh, got {memory!r}")
-        self.capacity, self.prefill, self.memory = size, bool(prefill), memory
-        self.wants_prompt_topk = self.prefill
+        self.prefill, self.memory = bool(prefill), memory
+        self.needs = Needs(topk=TEMPLATE_WIDTH, prompt=self.prefill)
         self.table = CopyLogitTable(TEMPLATE_WIDTH)
-
-    def describe(self) -> dict:
-        return {"method": self.name, "capacity": "auto" if self.auto_capacity else self.capacity, "prefill": self.prefill, "memory": self.memory}
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         if self.memory == "fresh":
@@ -64,7 +58,7 @@ class TokenRecyclingDrafter(Drafter):
             self.table.write(list(prompt), prompt_topk)
 
     def draft(self, root: int, budget: int) -> DraftTree:
-        builder = TreeBuilder(root, min(self.capacity, budget))
+        builder = TreeBuilder(root, budget)
         node_of: dict[tuple[int, ...], int] = {(): 0}
         for path in TEMPLATE:
             if builder.full:

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from racer.drafters.base import Drafter
-from racer.tree import DraftTree, chain
+from racer.drafting.base import Drafter
+from racer.drafting.tree import DraftTree, chain
 
 # variant: (max_ngram, where a continuation may start, what to do at an end token)
 _VARIANTS = {
@@ -42,13 +42,10 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"pld: num_tokens: expected at least 1, got {num_tokens}")
         self.variant = variant
         self.max_ngram, self.num_tokens, self.min_ngram = max_ngram, num_tokens, min_ngram
+        self.candidates = num_tokens + 1
         self.end_ids: set[int] = set()
         self._buf = np.zeros(1024, dtype=np.int64)
         self._len = 0
-
-    def describe(self) -> dict:
-        return {"method": self.name, "variant": self.variant, "max_ngram": self.max_ngram,
-                "num_tokens": self.num_tokens, "min_ngram": self.min_ngram}
 
     def attach(self, tokenizer: Any, end_ids: set[int]) -> None:
         self.end_ids = set(end_ids)

@@ -7,9 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from racer.datastore import SEPARATOR, Datastore
-from racer.drafters.base import Drafter, parse_capacity
-from racer.tree import DraftTree, TreeBuilder
+from racer.drafting.base import Drafter
+from racer.drafting.datastore import SEPARATOR, Datastore
+from racer.drafting.tree import DraftTree, TreeBuilder
 
 
 def top_prefixes(continuations: np.ndarray, k: int) -> list[tuple[int, ...]]:
@@ -38,24 +38,22 @@ def top_prefixes(continuations: np.ndarray, k: int) -> list[tuple[int, ...]]:
 
 
 class RestDrafter(Drafter):
-    """Options:
+    """Options (a fixed ``capacity`` of 65, 64 draft tokens + root, is the original's):
 
     - ``datastore``: the folder written by ``racer datastore build`` (required)
-    - ``capacity``: auto (default: 65 candidate nodes, of which the draft budget verifies
-      the part worth its cost) or a fixed node count, root included (the original: 64
-      draft tokens + root = 65)
     - ``max_suffix`` (16) / ``min_suffix`` (2): suffix lengths tried, longest first
     - ``occurrences``: matches collected at most (5000); ``length``: tokens taken after each (10)
     """
 
     name = "rest"
+    default_capacity = "auto"
+    candidates = 65
 
-    def __init__(self, datastore: str = "", capacity: int | str = "auto", max_suffix: int = 16, min_suffix: int = 2,
-                 occurrences: int = 5000, length: int = 10) -> None:
+    def __init__(self, datastore: str = "", max_suffix: int = 16, min_suffix: int = 2, occurrences: int = 5000,
+                 length: int = 10) -> None:
         if not datastore:
             raise ValueError("rest: datastore: expected the folder written by 'racer datastore build', "
                              "e.g. rest:datastore=PATH")
-        capacity, self.auto_capacity = parse_capacity("rest", capacity, 65)
         for option, value in (("max_suffix", max_suffix), ("min_suffix", min_suffix),
                               ("occurrences", occurrences), ("length", length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -63,15 +61,10 @@ class RestDrafter(Drafter):
         if min_suffix > max_suffix:
             raise ValueError(f"rest: expected min_suffix <= max_suffix, got {min_suffix} > {max_suffix}")
         self.store = Datastore(str(datastore))
-        self.capacity, self.max_suffix, self.min_suffix = capacity, max_suffix, min_suffix
+        self.datastore, self.max_suffix, self.min_suffix = str(self.store.folder), max_suffix, min_suffix
         self.occurrences, self.length = occurrences, length
         self._tail: list[int] = []
         self.matched: list[int] = []  # per step: suffix length that hit (0: none)
-
-    def describe(self) -> dict:
-        return {"method": self.name, "datastore": str(self.store.folder), "capacity": "auto" if self.auto_capacity else self.capacity,
-                "max_suffix": self.max_suffix, "min_suffix": self.min_suffix,
-                "occurrences": self.occurrences, "length": self.length}
 
     def attach(self, tokenizer: Any, end_ids: set[int]) -> None:
         if tokenizer is not None:
@@ -104,10 +97,9 @@ class RestDrafter(Drafter):
         return top_prefixes(found, k)
 
     def draft(self, root: int, budget: int) -> DraftTree:
-        capacity = min(self.capacity, budget)
-        builder = TreeBuilder(root, capacity)
-        if capacity > 1:
-            for order, prefix in enumerate(self.retrieve(self._tail + [root], capacity - 1)):
+        builder = TreeBuilder(root, budget)
+        if budget > 1:
+            for order, prefix in enumerate(self.retrieve(self._tail + [root], budget - 1)):
                 # Prefixes come most frequent first: their order is the evidence.
                 tier = min((order + 1).bit_length(), 6)
                 builder.add_path(prefix, features=[("datastore", tier, min(d, 4)) for d in range(1, len(prefix) + 1)])

@@ -2,9 +2,7 @@
 
 Hugging Face's ``DynamicLayer`` appends a pass's keys and values with ``torch.cat``,
 which copies the whole cache of every layer on every pass, a cost that grows with the
-context: for a 6-node tree pass of the embedded model at 400 cached tokens on this
-project's 2-core EPYC, 2.7 ms of a 184 ms pass, against 0.95 ms appending in place
-(``scripts/measure_engine.py append --threads 2``). ``GrowingLayer`` keeps
+context (``python -m racer.bench.measure append`` times it). ``GrowingLayer`` keeps
 each layer's keys and values in buffers that double when full and hands the attention
 views of the filled part, so a pass writes only its own rows; cropping a rejected tree
 just shortens the views. The values attended to are the same tensors' values, so
@@ -87,10 +85,11 @@ def _growing_layer_class() -> Any:
 GrowingLayer = _growing_layer_class()
 
 
-def growing_cache(config: Any) -> Any:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place;
-    other layer kinds (sliding windows, linear attention) keep their own classes, and
-    transformers without per-layer caches get a plain ``DynamicCache``."""
+def growing_cache(config: Any, growing: bool = True) -> Any:
+    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place
+    (unless not ``growing``); other layer kinds (sliding windows, linear attention) keep
+    their own classes, and transformers without per-layer caches get a plain
+    ``DynamicCache``."""
     from transformers import DynamicCache
 
     try:
@@ -98,7 +97,7 @@ def growing_cache(config: Any) -> Any:
     except TypeError:  # transformers < 4.56
         return DynamicCache()
     layers = getattr(cache, "layers", None)
-    if GrowingLayer is None or not layers:
+    if not growing or GrowingLayer is None or not layers:
         return cache
     from transformers.cache_utils import DynamicLayer
 

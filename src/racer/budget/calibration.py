@@ -1,0 +1,178 @@
+"""Measuring the step-cost table on the model itself (one pass per size and linear
+kernel in each of four shuffled rounds, the fastest kept) and caching it on disk.
+
+A kernel is offered only where it gives the logits the model's own layers give
+(checked once, to the tolerance of tree verification itself). Measuring takes tens of
+seconds on a CPU, so it is announced, and done only when asked for
+(``Decoder.calibrate``, ``racer cost``) or when a decoder first needs the table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from racer.budget.cost import SIZES, CostModel
+from racer.fastpaths import KERNELS, FastPaths
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
+    """What a cost table depends on: the model's shape, device, dtype, threads, torch,
+    and which fast paths verify its trees."""
+    import torch
+
+    config = model.config
+    shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                    "num_hidden_layers", "num_attention_heads",
+                                                    "num_key_value_heads", "vocab_size")}
+    param = next(model.parameters())
+    device = str(param.device)
+    if param.device.type == "cuda":
+        device += ":" + torch.cuda.get_device_name(param.device)
+    return {"model": getattr(config, "_name_or_path", "") or "", "shape": shape, "device": device,
+            "cpu": _cpu_name(), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
+            "attention": getattr(config, "_attn_implementation", None), "torch": torch.__version__,
+            "fast_paths": fast_paths.key()}
+
+
+def cost_file(model: Any, fast_paths: FastPaths = FastPaths()) -> Path:
+    from racer.loading import cache_dir
+
+    key = json.dumps(hardware_key(model, fast_paths), sort_keys=True, default=str)
+    return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+
+
+def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: int = 192,
+            repeats: int = 4, fast_paths: FastPaths = FastPaths()) -> CostModel:
+    """Time verification passes of random trees of each size on a cache of ``length``
+    tokens (best of ``repeats`` rounds, with each linear kernel on offer), and the
+    smallest and largest size on a cache ``grown`` tokens longer for the growth terms.
+    Each round visits the (size, kernel) pairs in a fresh random order: on
+    a shared machine a few slow seconds would otherwise land on the same neighbouring
+    sizes every round and make them look dearer than the sizes around them, which
+    steers the budget away from them for good (it seldom verifies them again to learn
+    better)."""
+    import numpy as np
+
+    from racer.drafting.tree import chain
+    from racer.engine.selftest import random_tree
+    from racer.engine.verifier import TreeVerifier
+
+    verifier = TreeVerifier(model, fast_paths)
+    vocab = int(model.config.vocab_size)
+    rng = np.random.default_rng(0)
+    limit = verifier.max_positions
+    length = max(1, min(length, limit // 4))
+    grown = max(0, min(grown, limit // 2 - length))
+    sizes = [s for s in sizes if length + grown + s < limit] or [1]
+    verifier.prefill([int(t) for t in rng.integers(vocab, size=length)])
+
+    def timed(on: Any, size: int, kernel: str) -> float:
+        on.use_kernel(kernel)
+        tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
+        start = time.perf_counter()
+        float(on.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
+        seconds = time.perf_counter() - start
+        on.commit([], size)  # drop the tree again
+        return seconds
+
+    offered = [k for k in KERNELS if k == "model" or (fast_paths.kernels and _kernel_agrees(verifier, rng, vocab, k))]
+    for kernel in offered:
+        timed(verifier, sizes[-1], kernel)  # warm-up: first-call allocations
+    # The growth terms come from the smallest and largest size on a second, longer
+    # cache, timed in the same shuffled rounds: a difference of two timings taken
+    # minutes apart would mostly measure how the machine's speed changed meanwhile.
+    small, large = sizes[0], sizes[-1]
+    far = None
+    if grown > 0 and len(sizes) > 1:
+        far = TreeVerifier(model, fast_paths)
+        far.prefill([int(t) for t in rng.integers(vocab, size=length)])
+        far.use_kernel("model")
+        while far.cached < length + grown:  # grow the cache with committed chains
+            take = min(large, length + grown - far.cached)
+            tree = chain(int(rng.integers(vocab)), [int(t) for t in rng.integers(vocab, size=take - 1)])
+            far.verify(tree)
+            far.commit(list(range(take)), take)
+    best = {(near, s, k): float("inf") for near in (True, False) for s in sizes for k in offered
+            if near or (far is not None and s in (small, large))}
+    pairs = list(best)
+    for _ in range(repeats):
+        for index in rng.permutation(len(pairs)):
+            near, s, k = pairs[index]
+            best[near, s, k] = min(best[near, s, k], timed(verifier if near else far, s, k))
+    chosen = [min(offered, key=lambda k: best[True, s, k]) for s in sizes]
+    table = CostModel(list(sizes), [best[True, s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
+    if far is not None:
+        at = far.cached
+        g_small = (best[False, small, chosen[0]] - table.seconds[0]) / (at - length)
+        g_large = (best[False, large, chosen[-1]] - table.seconds[-1]) / (at - length)
+        per_node = max((g_large - g_small) / (large - small), 0.0)
+        table.per_position_node = per_node
+        table.per_position = max(g_small - per_node * small, 0.0)
+    return table
+
+
+def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
+    """Whether ``kernel`` is available and gives this model the logits its own layers
+    give (a kernel leaves alone layers that do not call ``linear`` on plain weights, so
+    this guards against an exotic modeling file or a broken build, not rounding)."""
+    from racer.engine.selftest import random_tree, tolerance
+
+    if not verifier.kernels.available(kernel):
+        return False
+    tree = random_tree(rng, vocab, 8, 3)
+    logits = []
+    for name in ("model", kernel):
+        verifier.use_kernel(name)
+        logits.append(verifier.verify(tree).float())
+        verifier.commit([], len(tree))
+    error = float((logits[0] - logits[1]).abs().max())
+    return error <= tolerance(verifier.dtype, float(logits[0].abs().max()))
+
+
+def disk_cache_enabled() -> bool:
+    """False when RACER_COST_CACHE=0: measure every time, never save."""
+    return os.environ.get("RACER_COST_CACHE", "1") != "0"
+
+
+def announce_on_stderr(message: str) -> None:
+    print(f"racer: {message}", file=sys.stderr, flush=True)
+
+
+def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = FastPaths(),
+                    announce: Callable[[str], None] | None = announce_on_stderr) -> CostModel:
+    """The cost model cached on disk for this model and hardware, measured if absent
+    (or if ``refresh``), with a line to ``announce`` before measuring. Set
+    RACER_COST_CACHE=0 to measure every time, never saving."""
+    use_disk = disk_cache_enabled()
+    path = cost_file(model, fast_paths)
+    if use_disk and not refresh and path.exists():
+        try:
+            return CostModel.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass  # an old or damaged file: measure again
+    if announce is not None:
+        where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
+        announce(f"timing verification passes of 1-{SIZES[-1]}-node trees once for this model and hardware{where}")
+    measured = measure(model, fast_paths=fast_paths)
+    if use_disk:
+        measured.path = str(path)
+        measured.save()
+    return measured

@@ -1,0 +1,223 @@
+"""The decoding loop: draft, keep what the budget chooses, verify the tree in one pass,
+accept (greedy or exact sampling), repeat.
+
+The engine knows nothing of how drafts are made: it talks to a ``Drafter`` through the
+interface of ``racer.drafting.base``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from racer.budget import CostCurve, CostModel, DraftBudget, WholeTree
+from racer.budget.calibration import announce_on_stderr, load_or_measure
+from racer.drafting import Drafter, Method, parse_method
+from racer.engine.options import GenerationOptions, encode_prompt
+from racer.engine.results import GenerationResult, StepStats
+from racer.engine.sampling import TokenChooser
+from racer.engine.selftest import self_test
+from racer.engine.stopping import Chunk, Stopper, end_token_ids
+from racer.engine.verifier import TreeVerifier
+from racer.fastpaths import FastPaths
+
+
+def top_ids(logits: torch.Tensor, k: int) -> np.ndarray:
+    """The ``k`` most likely token ids of each row, as a host array: the one place where
+    predictions leave the device for a drafter."""
+    return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
+
+
+@dataclass
+class _Request:
+    """One request in flight."""
+
+    ids: list[int]  # the prompt
+    result: GenerationResult  # its tokens are the context after the prompt
+    chooser: TokenChooser
+    stopper: Stopper
+
+
+class Decoder:
+    """Decodes with one model and one draft method. Reusable across requests: the
+    drafter decides whether anything it learnt carries over.
+
+    ``method``: a spec such as ``"racer:capacity=16"`` or a ``Drafter``; ``capacity``
+    overrides the method's (``"auto"``: each step the draft budget keeps the part of the
+    drafter's candidate tree worth verifying on this hardware; a number: a fixed size).
+    ``cost``: the step-cost curve (default: measured once per model and hardware and
+    cached on disk, see ``calibrate``); a measured ``CostModel`` also says which linear
+    kernel verifies each tree size fastest. ``fast_paths``: ``False`` verifies with the
+    model's own code only, or a ``FastPaths`` switches each fast path on its own.
+    ``check``: self-test tree verification on this model first."""
+
+    def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "none", *,
+                 capacity: int | str | None = None, cost: CostCurve | None = None, check: bool = True,
+                 fast_paths: bool | FastPaths = True) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.method = _resolve_method(method, capacity)
+        self.drafter = self.method.drafter
+        self.fast_paths = FastPaths.of(fast_paths)
+        if check:
+            self_test(model)
+        self.verifier = TreeVerifier(model, self.fast_paths)
+        self.end_ids = end_token_ids(model, tokenizer)
+        self.drafter.attach(tokenizer, set(self.end_ids))
+        self.cost: CostCurve | None = None
+        self.budget: DraftBudget | WholeTree = WholeTree()
+        self._calibrated = False
+        if cost is not None or not self.method.drafts:
+            self._use_cost(cost)
+
+    # -- set-up ---------------------------------------------------------------------
+    def calibrate(self, refresh: bool = False,
+                  announce: Callable[[str], None] | None = announce_on_stderr) -> None:
+        """Read the step-cost table this decoder needs from the disk cache, or measure it
+        (tens of seconds on a CPU; ``announce`` is told first): a drafting method uses it
+        to choose each tree size's linear kernel, ``capacity=auto`` for the draft budget.
+        The first ``generate`` or ``stream`` calls this if nobody did."""
+        if self._calibrated and not refresh:
+            return
+        self._use_cost(load_or_measure(self.model, refresh, self.fast_paths, announce))
+
+    def _use_cost(self, cost: CostCurve | None) -> None:
+        self.cost = cost
+        if isinstance(cost, CostModel):
+            self.verifier.set_kernels(cost.kernel, cost.kernels)
+        self.budget = DraftBudget(cost) if self.method.auto and cost is not None else WholeTree()
+        self._calibrated = True
+
+    # -- the loop -------------------------------------------------------------------
+    def _run(self, prompt: Any, options: GenerationOptions, result: GenerationResult) -> Iterator[list[int]]:
+        """Prefill, then one step per verification pass; yields each pass's new tokens."""
+        ids = self._encode(prompt, options)
+        self.calibrate()
+        request, chunk = self._prefill(ids, options, result)
+        while True:
+            result.tokens.extend(chunk.tokens)
+            if chunk.tokens:
+                yield chunk.tokens
+            room = self.verifier.max_positions - self.verifier.cached
+            if chunk.done or room <= 1:
+                result.stop_reason = request.stopper.reason if chunk.done else "context"
+                result.drafter_stats = self.drafter.request_stats()
+                self.budget.finish()
+                return
+            stats, chunk = self._step(request, min(self.method.draft_size, options.max_tree, room))
+            result.steps.append(stats)
+
+    def _prefill(self, ids: list[int], options: GenerationOptions,
+                 result: GenerationResult) -> tuple[_Request, Chunk]:
+        result.restart(len(ids))
+        start = time.perf_counter()
+        request = _Request(ids, result, TokenChooser(options.sampling, self.verifier.device),
+                           Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens))
+        needs = self.drafter.needs
+        logits = self.verifier.prefill(ids, all_logits=needs.prompt)
+        root = request.chooser.first(logits[-1:], ids)
+        prompt_topk = self._top_ids(logits, None if needs.prompt else len(logits) - 1)
+        result.prefill_s = time.perf_counter() - start
+        self.drafter.begin(ids, prompt_topk)
+        return request, request.stopper.cut(result.tokens, [root])
+
+    def _step(self, request: _Request, size: int) -> tuple[StepStats, Chunk]:
+        emitted = request.result.tokens
+        start = time.perf_counter()
+        candidates = self.drafter.draft(emitted[-1], size)
+        cached = self.verifier.cached
+        tree = self.budget.select(candidates, cached)
+        drafted = time.perf_counter()
+        logits = self.verifier.verify(tree)
+        path, following = request.chooser.accept(tree, logits, request.ids, emitted)
+        self.verifier.commit(path, len(tree))
+        topk = self._top_ids(logits, path[-1] if self.drafter.needs.at == "last" else None)
+        verified = time.perf_counter()
+        self.drafter.observe(tree, topk, path)
+        observed = time.perf_counter()
+        self.budget.observe(tree, path, cached, observed - start)
+        stats = StepStats(len(tree), len(path) - 1, (drafted - start) + (observed - verified), verified - drafted,
+                          len(candidates))
+        return stats, request.stopper.cut(emitted, [tree.tokens[i] for i in path[1:]] + [following])
+
+    def _top_ids(self, logits: torch.Tensor, row: int | None) -> np.ndarray | None:
+        """The drafter's top-k ids of every row of ``logits``, or of one row; None when it
+        asks for none."""
+        k = self.drafter.needs.topk
+        if not k:
+            return None
+        return top_ids(logits if row is None else logits[row : row + 1], k)
+
+    def _encode(self, prompt: Any, options: GenerationOptions) -> list[int]:
+        if options.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer")
+        ids = encode_prompt(self.tokenizer, prompt, options.chat)
+        limit = self.verifier.max_positions
+        if len(ids) >= limit:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit the model's context window of {limit} tokens "
+                             "(one position is needed for the first new token)")
+        return ids
+
+    # -- public entry points ------------------------------------------------------------
+    def generate(self, prompt: Any, options: GenerationOptions | None = None, **fields: Any) -> GenerationResult:
+        """Decode ``prompt`` (text, chat messages or token ids) greedily (the default) or
+        by exact sampling; returns the new tokens, their text and per-step statistics.
+        Options come as a ``GenerationOptions`` and/or as its fields by keyword
+        (``max_new_tokens=64, temperature=0.7``)."""
+        options = GenerationOptions.of(options, fields)
+        result = GenerationResult.empty()
+        start = time.perf_counter()
+        for _ in self._run(prompt, options, result):
+            pass
+        result.wall_s = time.perf_counter() - start
+        result.text = self._decode(result.tokens)
+        return result
+
+    def stream(self, prompt: Any, options: GenerationOptions | None = None, *,
+               result: GenerationResult | None = None, **fields: Any) -> Iterator[str]:
+        """Yield text as it is accepted (arguments as ``generate``). Pass ``result`` to
+        collect the statistics; it is emptied first."""
+        options = GenerationOptions.of(options, fields)
+        result = GenerationResult.empty() if result is None else result
+        start = time.perf_counter()
+        shown = ""
+        for _ in self._run(prompt, options, result):
+            text = self._decode(result.tokens)
+            # Hold back a trailing partial UTF-8 character until its other bytes arrive.
+            stable = text[:-1] if text.endswith("\ufffd") else text
+            if len(stable) > len(shown) and stable.startswith(shown):
+                yield stable[len(shown):]
+                shown = stable
+        result.wall_s = time.perf_counter() - start
+        result.text = self._decode(result.tokens)
+        if result.text.startswith(shown) and len(result.text) > len(shown):
+            yield result.text[len(shown):]
+
+    def _decode(self, tokens: list[int]) -> str:
+        # A tokenizer is optional for callers that work in token ids only.
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+
+def _resolve_method(method: str | Drafter | Method, capacity: int | str | None) -> Method:
+    if isinstance(method, Method):
+        return method if capacity is None else Method.of(method.drafter, capacity)
+    if isinstance(method, str):
+        parsed = parse_method(method)
+        if capacity is None:
+            return parsed
+        if "capacity=" in method:
+            raise ValueError(f"capacity: given twice, in method {method!r} and as capacity={capacity!r}")
+        return Method.of(parsed.drafter, capacity)
+    if isinstance(method, Drafter):
+        return Method.of(method, capacity)
+    raise ValueError(f"method: expected a method name or a Drafter, got {type(method).__name__}")
+
+
+def generate(model: Any, tokenizer: Any, prompt: Any, *, method: str | Drafter = "none",
+             **options: Any) -> GenerationResult:
+    """One-shot generation with ``method`` (options as ``Decoder.generate``); see
+    ``Decoder`` to reuse a drafter."""
+    return Decoder(model, tokenizer, method).generate(prompt, **options)

@@ -1,0 +1,85 @@
+"""What a caller asks of one generation: the prompt, limits, stops and sampling."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from racer.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Options of ``Decoder.generate`` and ``Decoder.stream``. ``stop``: strings that end
+    generation right after the token completing one; ``chat``: apply the chat template
+    to a text prompt; ``max_tree``: the most nodes verified per step. The sampling
+    parameters mean what they mean in Hugging Face ``generate`` (``temperature`` 0:
+    greedy); ``seed`` makes a sampled run repeatable for the same method and settings."""
+
+    max_new_tokens: int = 256
+    stop: Sequence[str] | str | None = ()
+    chat: bool = False
+    max_tree: int = 1 << 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_tree"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        stop = self.stop
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
+        object.__setattr__(self, "stop", stops)
+        self.sampling  # checks the sampling parameters
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
+
+    @staticmethod
+    def of(options: "GenerationOptions | None", overrides: dict[str, Any]) -> "GenerationOptions":
+        """``options`` (default: the defaults) with the fields in ``overrides`` replaced."""
+        fields = {f.name for f in dataclasses.fields(GenerationOptions)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unexpected option {', '.join(unknown)}; expected any of {', '.join(sorted(fields))}")
+        if options is None:
+            return GenerationOptions(**overrides)
+        if not isinstance(options, GenerationOptions):
+            raise ValueError(f"options: expected GenerationOptions, got {type(options).__name__}")
+        return dataclasses.replace(options, **overrides) if overrides else options
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, chat: bool) -> list[int]:
+    """Token ids for a prompt given as text, chat messages, or ids."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("prompt: expected non-empty text, got an empty string")
+        if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("chat: the tokenizer has no chat template; pass chat=False for raw text")
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            return list(tokenizer(prompt, add_special_tokens=False).input_ids) or _empty()
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # BatchEncoding in transformers 5
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    if isinstance(prompt, (list, tuple, np.ndarray)) or hasattr(prompt, "tolist"):
+        ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+        return ids or _empty()
+    raise ValueError(f"prompt: expected text, chat messages or token ids, got {type(prompt).__name__}")
+
+
+def _empty() -> list[int]:
+    raise ValueError("prompt: expected at least one token, got none")

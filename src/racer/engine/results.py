@@ -1,0 +1,50 @@
+"""What a generation returns: the new tokens and text, and one record per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """One verification step."""
+
+    tree_size: int  # nodes verified, root included
+    accepted: int  # draft tokens accepted beyond the root (the "a" of 1 + a)
+    draft_s: float  # drafting, subtree selection and the drafter's update
+    verify_s: float  # the tree pass, acceptance and KV compaction
+    candidates: int = 0  # nodes the drafter proposed before the draft budget chose
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    steps: list[StepStats] = field(default_factory=list)
+    prefill_s: float = 0.0
+    wall_s: float = 0.0
+    stop_reason: str = "length"  # "eos", "stop", "length" or "context"
+    drafter_stats: dict = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, prompt_tokens: int = 0) -> "GenerationResult":
+        return cls(tokens=[], text="", prompt_tokens=prompt_tokens)
+
+    def restart(self, prompt_tokens: int) -> None:
+        """Empty this result in place for a new request: nothing of the last one stays."""
+        self.__dict__.update(GenerationResult.empty(prompt_tokens).__dict__)
+
+    @property
+    def passes(self) -> int:
+        """Verification passes, the prefill (which yields the first token) included."""
+        return 1 + len(self.steps)
+
+    @property
+    def mat(self) -> float:
+        """Mean accepted tokens: emitted tokens per verification pass."""
+        return len(self.tokens) / self.passes if self.tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0

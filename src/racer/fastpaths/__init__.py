@@ -1,0 +1,44 @@
+"""Optional CPU fast paths of a tree pass: each switchable on its own, none changes an output.
+
+Tree attention and the growing cache give logits bit-identical to the model's own path;
+a linear kernel sums in another order, so it is offered only where it agrees with the
+model's own layers to the tolerance of tree verification. This file imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# "model": the model's own layers; "weight_major": ``(W @ x.T).T``; "packed": oneDNN
+# from weights packed once; "hybrid": weight-major layers with a packed output layer
+# (the output layer, vocabulary x hidden, is the largest single matrix by far).
+KERNELS = ("model", "weight_major", "packed", "hybrid")
+KERNEL_LABELS = {"model": "stock", "weight_major": "W@x.T", "packed": "packed", "hybrid": "hybrid"}
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """``kernels``: per-size linear kernels chosen by the measured cost table
+    (``fastpaths.kernels``); ``tree_attention``: grouped-query SDPA over the tree mask
+    without repeating the cache's KV heads (``fastpaths.attention``); ``growing_cache``:
+    KV appended in place instead of ``torch.cat`` (``fastpaths.kvcache``)."""
+
+    kernels: bool = True
+    tree_attention: bool = True
+    growing_cache: bool = True
+
+    @staticmethod
+    def of(value: "bool | FastPaths") -> "FastPaths":
+        """``True`` (all on), ``False`` (all off) or a ``FastPaths``."""
+        if isinstance(value, FastPaths):
+            return value
+        if isinstance(value, bool):
+            return FastPaths(value, value, value)
+        raise ValueError(f"fast_paths: expected True, False or a FastPaths, got {value!r}")
+
+    def key(self) -> dict[str, Any]:
+        return {"kernels": self.kernels, "tree_attention": self.tree_attention, "growing_cache": self.growing_cache}
+
+
+__all__ = ["FastPaths", "KERNELS", "KERNEL_LABELS"]

@@ -1,0 +1,92 @@
+"""The repository stands on its own, and the layers keep to their rules."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from racer.bench.questions import DATASETS, data_dir, load_questions
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "racer"
+
+
+def test_the_questions_ship_inside_the_package_and_load_with_no_shared_folder(tmp_path):
+    # From a folder with nothing beside or above it, and no RACER_DATA: only the package.
+    env = {k: v for k, v in os.environ.items() if k != "RACER_DATA"}
+    code = ("import json; from racer.bench.questions import data_dir, load_questions; "
+            "print(json.dumps([str(data_dir())] + [len(load_questions(d)) for d in "
+            "('spec_bench', 'human_eval', 'mgsm')]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    folder, *counts = json.loads(out)
+    import racer
+
+    assert Path(folder) == Path(racer.__file__).resolve().parent / "bench" / "data"
+    assert "shared" not in Path(folder).parts
+    assert counts == [480, 164, 250]
+    assert (Path(folder) / "README.md").read_text(encoding="utf-8").count("licence") >= 1
+
+
+def test_racer_data_points_elsewhere_and_a_missing_file_is_named(tmp_path, monkeypatch):
+    (tmp_path / "mgsm.jsonl").write_text('{"question_id": 1, "category": "maths", "turns": ["1 + 1?"]}\n')
+    monkeypatch.setenv("RACER_DATA", str(tmp_path))
+    assert data_dir() == tmp_path
+    assert [q.prompt for q in load_questions("mgsm")] == ["1 + 1?"]
+    with pytest.raises(ValueError, match="human_eval.*missing"):
+        load_questions("human_eval")
+
+
+def test_the_package_declares_its_data_files():
+    text = (SRC.parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    assert "bench/data/*.jsonl" in text
+    assert sorted(p.stem for p in (SRC / "bench" / "data").glob("*.jsonl")) == sorted(DATASETS)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("folder", ["drafting", "budget"])
+def test_draft_methods_and_the_budget_import_no_torch(folder):
+    allowed = {"calibration.py"}  # the budget's calibration times the model itself
+    for path in (SRC / folder).glob("*.py"):
+        if path.name in allowed:
+            continue
+        bad = {name for name in _imports(path) if name.split(".")[0] in ("torch", "transformers")
+               or name.startswith(("racer.engine", "racer.fastpaths.kernels", "racer.fastpaths.attention",
+                                   "racer.fastpaths.kvcache"))}
+        assert not bad, f"{path.name} imports {bad}"
+
+
+def test_the_engine_knows_no_draft_method():
+    methods = {"racer.drafting." + m for m in ("racer", "pld", "rest", "logitspec", "token_recycling",
+                                              "automaton", "copy_logit", "datastore")}
+    for path in (SRC / "engine").glob("*.py"):
+        assert not (_imports(path) & methods), path.name
+
+
+def test_every_device_to_host_copy_goes_through_the_cpu():
+    # ``.numpy()`` on a CUDA tensor raises: every conversion must be ``.cpu().numpy()``.
+    for path in SRC.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert text.count(".numpy()") == text.count(".cpu().numpy()"), path.name
+
+
+def test_every_folder_states_its_rule():
+    for folder in ("drafting", "budget", "engine", "fastpaths", "bench"):
+        doc = ast.get_docstring(ast.parse((SRC / folder / "__init__.py").read_text(encoding="utf-8")))
+        rule = doc.splitlines()[0]
+        assert rule.endswith(".") and len(rule) <= 100, folder
