@@ -1,6 +1,8 @@
 # Two commands do all the set-up on a fresh machine:
-#   make run    a generation with the default method on the embedded model, with the speedup
-#   make test   the test suite
+#   make run        a generation with the default method on the embedded model, with the speedup
+#   make test       the whole test suite (what CI runs)
+# and, for the edit loop:
+#   make test-fast  unit tests and tiny models only (no real-model test)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +13,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 METHOD ?= racer
 TEST_WORKERS ?= 2
 
-.PHONY: run test install clean
+.PHONY: run test test-fast install clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +31,9 @@ run: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not real"
 
 clean:
 	rm -rf $(VENV)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from racer import bench
-from racer.bench import Record, summarize
+from racer.bench import Record, runner, summarize
 from racer.cli import main
 
 
@@ -39,7 +39,7 @@ def test_bad_bench_arguments(real):
 
 
 def test_short_real_run_writes_table_json_and_plots(real, tmp_path, monkeypatch, capsys):
-    original = bench._Runner.run
+    original = runner._Runner.run
 
     def broken(self, ids, max_new_tokens):  # a deliberately wrong method
         tokens, stats = original(self, ids, max_new_tokens)
@@ -47,7 +47,7 @@ def test_short_real_run_writes_table_json_and_plots(real, tmp_path, monkeypatch,
             tokens = tokens[:-1] + [tokens[-1] + 1]
         return tokens, stats
 
-    monkeypatch.setattr(bench._Runner, "run", broken)
+    monkeypatch.setattr(runner._Runner, "run", broken)
     out = tmp_path / "r.json"
     plots = tmp_path / "plots"
     assert main(["bench", "--methods", "ar,racer:capacity=8,racer:capacity=16", "--datasets", "human_eval",
