@@ -72,6 +72,13 @@ def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):
     assert load_or_measure(model, refresh=True).seconds[0] != 123.0
     other = make_tiny_llama(seed=1).to(dtype=__import__("torch").bfloat16)
     assert cost_file(other) != cost_file(model)  # dtype is part of the key
+    from racer.budget import calibration
+
+    isa = calibration.cpu_info()
+    monkeypatch.setattr(calibration, "cpu_info", lambda: {**isa, "isa": isa["isa"] + ["another-extension"]})
+    other_cpu = cost_file(model)
+    monkeypatch.setattr(calibration, "cpu_info", lambda: isa)
+    assert other_cpu != cost_file(model)  # another CPU generation of the same name: another table
     cost_file(model).write_text("{not json")
     assert load_or_measure(model).seconds[0] > 0  # a damaged file is measured again
 

@@ -108,7 +108,8 @@ def render_tables(result: BenchResult, console: Any = None) -> None:
     console = console or Console()
     baseline = result.settings["baseline"]
     machine = result.machine
-    title = (f"racer bench - {machine.get('cpu')}, {machine.get('threads')} threads, torch {machine.get('torch')}, "
+    isa = "/".join(machine.get("isa") or [])
+    title = (f"racer bench - {machine.get('cpu')}{f' ({isa})' if isa else ''}, {machine.get('threads')} threads, torch {machine.get('torch')}, "
              f"transformers {machine.get('transformers')}; speedup vs {baseline}")
     for by_category in (False, True):
         rows = summarize(result.records, baseline, by_category)

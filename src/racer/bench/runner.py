@@ -21,13 +21,9 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
+    from racer.budget.calibration import cpu_info
+
+    return {**cpu_info(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 

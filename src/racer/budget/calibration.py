@@ -22,15 +22,26 @@ from racer.budget.cost import SIZES, CostModel
 from racer.fastpaths import KERNELS, FastPaths
 
 
-def _cpu_name() -> str:
+# Vector extensions that change which kernels run, and so what a pass costs: CPUs of
+# different generations can share a model name ("AMD EPYC" on a cloud VM).
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU's model name and the vector extensions it has (from /proc/cpuinfo where
+    there is one)."""
+    name, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
             for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    name = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return {"cpu": name, "isa": [f for f in _ISA_FLAGS if f in flags]}
 
 
 def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
@@ -47,7 +58,7 @@ def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
     if param.device.type == "cuda":
         device += ":" + torch.cuda.get_device_name(param.device)
     return {"model": getattr(config, "_name_or_path", "") or "", "shape": shape, "device": device,
-            "cpu": _cpu_name(), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
+            **cpu_info(), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
             "attention": getattr(config, "_attn_implementation", None), "torch": torch.__version__,
             "fast_paths": fast_paths.key()}
 
