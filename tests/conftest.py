@@ -31,6 +31,20 @@ from racer.bench.questions import Question, load_questions
 REAL_FIXTURES = {"real", "real_bf16"}
 
 
+def _transformers_at_least(version: str) -> bool:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version(version)
+
+
+# Fast paths that older transformers do not offer (racer then runs without them).
+needs_cache_layers = pytest.mark.skipif(not _transformers_at_least("4.56"),
+                                        reason="the growing cache needs per-layer KV caches: transformers >= 4.56")
+needs_attention_interface = pytest.mark.skipif(not _transformers_at_least("4.50"),
+                                               reason="tree attention needs AttentionInterface: transformers >= 4.50")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if REAL_FIXTURES & set(item.fixturenames):

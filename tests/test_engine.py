@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import needs_cache_layers
 from racer.drafting import Drafter, Needs, make_drafter
 from racer.engine import Decoder, GenerationResult
 from racer.drafting.tree import TreeBuilder
@@ -128,6 +129,7 @@ def test_a_reused_result_keeps_nothing_of_the_last_request(tiny):
         assert reused.prompt_tokens == 3 and reused.stop_reason == "length"
 
 
+@needs_cache_layers
 def test_fast_paths_switch_off_one_by_one_and_all_at_once(tiny):
     from transformers.cache_utils import DynamicLayer
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import needs_attention_interface, needs_cache_layers
 from racer.drafting.tree import chain
 from racer.engine.selftest import UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
 from racer.engine.verifier import TreeVerifier
@@ -129,6 +130,7 @@ def _sdpa_spy(monkeypatch):
     return calls
 
 
+@needs_attention_interface
 @pytest.mark.parametrize("shape", ["tree", "chain"])
 def test_tree_attention_reads_grouped_kv_heads_in_place(real, monkeypatch, shape):
     """On the real model (3 KV heads for 9 query heads), branching trees and chains of
@@ -153,6 +155,7 @@ def test_tree_attention_reads_grouped_kv_heads_in_place(real, monkeypatch, shape
     assert (verifier.verify(tree) - got).abs().max().item() <= tolerance(verifier.dtype, want.abs().max().item())
 
 
+@needs_attention_interface
 def test_tree_attention_gives_the_config_back_when_a_pass_fails(tiny):
     verifier = TreeVerifier(tiny)
     if verifier.tree_attention is None:
@@ -166,6 +169,7 @@ def test_tree_attention_gives_the_config_back_when_a_pass_fails(tiny):
     assert tiny.config._attn_implementation == "sdpa"
 
 
+@needs_attention_interface
 def test_tree_attention_applies_only_where_it_is_exact(monkeypatch):
     from conftest import make_tiny_llama
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -204,6 +208,7 @@ def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch)
     torch.testing.assert_close(out, want.transpose(1, 2))
 
 
+@needs_cache_layers
 def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, monkeypatch):
     from transformers.cache_utils import DynamicLayer
 
