@@ -114,7 +114,7 @@ class Decoder:
                  result: GenerationResult) -> tuple[_Request, Chunk]:
         result.restart(len(ids))
         start = time.perf_counter()
-        request = _Request(ids, result, TokenChooser(options.sampling, self.verifier.device),
+        request = _Request(ids, result, TokenChooser(options, self.verifier.device),
                            Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens))
         needs = self.drafter.needs
         logits = self.verifier.prefill(ids, all_logits=needs.prompt)

@@ -12,24 +12,19 @@ from racer.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
-class GenerationOptions:
-    """Options of ``Decoder.generate`` and ``Decoder.stream``. ``stop``: strings that end
-    generation right after the token completing one; ``chat``: apply the chat template
-    to a text prompt; ``max_tree``: the most nodes verified per step. The sampling
-    parameters mean what they mean in Hugging Face ``generate`` (``temperature`` 0:
-    greedy); ``seed`` makes a sampled run repeatable for the same method and settings."""
+class GenerationOptions(SamplingParams):
+    """Options of ``Decoder.generate`` and ``Decoder.stream``: the sampling parameters of
+    ``SamplingParams`` (``temperature`` 0: greedy), and ``max_new_tokens``; ``stop``:
+    strings that end generation right after the token completing one; ``chat``: apply
+    the chat template to a text prompt; ``max_tree``: the most nodes verified per step."""
 
     max_new_tokens: int = 256
     stop: Sequence[str] | str | None = ()
     chat: bool = False
     max_tree: int = 1 << 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("max_new_tokens", "max_tree"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -39,11 +34,6 @@ class GenerationOptions:
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
         object.__setattr__(self, "stop", stops)
-        self.sampling  # checks the sampling parameters
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.repetition_penalty, self.seed)
 
     @staticmethod
     def of(options: "GenerationOptions | None", overrides: dict[str, Any]) -> "GenerationOptions":
