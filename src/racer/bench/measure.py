@@ -55,7 +55,7 @@ def costs(threads: int) -> None:
 
 
 def kernels(threads: int, repeats: int = 7) -> None:
-    """Tree passes with each linear kernel (``racer.kernels.KERNELS``): median wall time
+    """Tree passes with each linear kernel (``racer.fastpaths.KERNELS``): median wall time
     per size (the kernels interleaved, a fresh random tree each time, cache of 200
     tokens), and against the model's own layers the largest logit difference and how
     many nodes' argmax differ."""

@@ -109,7 +109,8 @@ def render_tables(result: BenchResult, console: Any = None) -> None:
     baseline = result.settings["baseline"]
     machine = result.machine
     isa = "/".join(machine.get("isa") or [])
-    title = (f"racer bench - {machine.get('cpu')}{f' ({isa})' if isa else ''}, {machine.get('threads')} threads, torch {machine.get('torch')}, "
+    cpu = f"{machine.get('cpu')} ({isa})" if isa else machine.get("cpu")
+    title = (f"racer bench - {cpu}, {machine.get('threads')} threads, torch {machine.get('torch')}, "
              f"transformers {machine.get('transformers')}; speedup vs {baseline}")
     for by_category in (False, True):
         rows = summarize(result.records, baseline, by_category)

@@ -69,7 +69,7 @@ def _checked(cost: Callable[[int], float], size: int) -> float:
 
 
 class CostCurve(Protocol):
-    """What the budget needs of a step-cost model (``racer.cost.CostModel`` is one). A
+    """What the budget needs of a step-cost model (``racer.budget.cost.CostModel`` is one). A
     curve that also has ``draw(rng)`` (a plausible curve, as a ``predict`` function) is
     chosen by a fresh draw each step, so that sizes whose cost it is unsure of get
     verified now and then."""

@@ -98,8 +98,9 @@ def method_options(name: str) -> dict[str, Any]:
     return {"capacity": factory.default_capacity, **options}
 
 
-def parse_method(spec: str) -> Method:
-    """The method a spec ``name[:key=value...]`` names, e.g. ``racer:capacity=16``."""
+def parse_method(spec: str, capacity: Capacity | None = None) -> Method:
+    """The method a spec ``name[:key=value...]`` names, e.g. ``racer:capacity=16``;
+    ``capacity``, if given, where the spec names none."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"method: expected a method name such as {', '.join(METHODS)}, got {spec!r}")
     name, *parts = spec.split(":")
@@ -113,7 +114,10 @@ def parse_method(spec: str) -> Method:
         if not sep or key not in allowed:
             raise ValueError(f"method {name}: option {part!r} is not key=value with key in {', '.join(allowed)}")
         options[key] = _parse_value(value)
-    capacity = options.pop("capacity", None)
+    if "capacity" in options:
+        if capacity is not None:
+            raise ValueError(f"capacity: given twice, in method {spec!r} and as capacity={capacity!r}")
+        capacity = options.pop("capacity")
     if capacity is not None:
         try:
             capacity = parse_capacity(capacity)

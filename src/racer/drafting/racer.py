@@ -20,9 +20,9 @@ def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
     """Acceptance evidence of a retrieved node, most telling first (the draft budget
     backs off along this order): whether the model's own earlier prediction after the
     parent token agrees (1: rank 1 of its copy-logit row, 2: lower in the row, 0: not in
-    it; on 10 HumanEval prompts right 86 / 53 / 30 % of the time:
-    ``python -m racer.bench.measure evidence``), how long the context match behind it is, and how often its
-    trie parent continued with it (freq ratio, in quarters)."""
+    it; ``python -m racer.bench.measure evidence`` counts how often each is right), how
+    long the context match behind it is, and how often its trie parent continued with
+    it (freq ratio, in quarters)."""
     return ("retrieval", agreement, min(border_depth, 6), min(int(ratio * 4), 4))
 
 

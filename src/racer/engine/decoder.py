@@ -202,18 +202,11 @@ class Decoder:
 
 
 def _resolve_method(method: str | Drafter | Method, capacity: int | str | None) -> Method:
+    if isinstance(method, str):
+        return parse_method(method, capacity)
     if isinstance(method, Method):
         return method if capacity is None else Method.of(method.drafter, capacity)
-    if isinstance(method, str):
-        parsed = parse_method(method)
-        if capacity is None:
-            return parsed
-        if "capacity=" in method:
-            raise ValueError(f"capacity: given twice, in method {method!r} and as capacity={capacity!r}")
-        return Method.of(parsed.drafter, capacity)
-    if isinstance(method, Drafter):
-        return Method.of(method, capacity)
-    raise ValueError(f"method: expected a method name or a Drafter, got {type(method).__name__}")
+    return Method.of(method, capacity)  # a Drafter, or a clear error
 
 
 def generate(model: Any, tokenizer: Any, prompt: Any, *, method: str | Drafter = "none",

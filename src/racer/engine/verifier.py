@@ -48,7 +48,7 @@ class TreeVerifier:
         self.kernel_of: Callable[[int], str] = _model_kernel
         self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
-        # heads (None where it does not apply: see ``racer.attention``).
+        # heads (None where it does not apply: see ``racer.fastpaths.attention``).
         self.tree_attention: TreeAttention | None = tree_attention(model) if fast_paths.tree_attention else None
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:

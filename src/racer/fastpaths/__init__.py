@@ -7,7 +7,7 @@ model's own layers to the tolerance of tree verification. This file imports no t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # "model": the model's own layers; "weight_major": ``(W @ x.T).T``; "packed": oneDNN
@@ -38,7 +38,7 @@ class FastPaths:
         raise ValueError(f"fast_paths: expected True, False or a FastPaths, got {value!r}")
 
     def key(self) -> dict[str, Any]:
-        return {"kernels": self.kernels, "tree_attention": self.tree_attention, "growing_cache": self.growing_cache}
+        return asdict(self)
 
 
 __all__ = ["FastPaths", "KERNELS", "KERNEL_LABELS"]
