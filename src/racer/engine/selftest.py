@@ -1,8 +1,17 @@
-"""Whether a model can verify trees losslessly: an up-front check of its configuration,
-then a self-test of tree verification against sequential decoding."""
+"""Whether a model can verify trees losslessly: an up-front check of its configuration
+(attention implementation, layer kinds, windows), then a self-test of tree verification
+against the model's own sequential decoding.
+
+The self-test commits a branching path (nodes whose index in the pass differs from
+their depth) before it verifies a second tree, so that an error of positions or
+compaction fails it; its second form runs on a context longer than every window the
+check found, so that an error of windows fails it too.
+"""
 
 from __future__ import annotations
 
+import copy
+import inspect
 import weakref
 from typing import Any, Sequence
 
@@ -10,40 +19,11 @@ import numpy as np
 import torch
 
 from racer.drafting.tree import DraftTree, TreeBuilder
+from racer.engine.host import host_float
+from racer.engine.support import UnsupportedModelError, check_supported
 from racer.engine.verifier import TreeVerifier
 
-
-class UnsupportedModelError(ValueError):
-    """The model cannot verify a tree losslessly with a custom attention mask."""
-
-
-# Families whose layers keep no per-token KV (state-space / recurrent) or that add
-# position information the mask cannot express.
-_RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "jamba", "rwkv", "recurrent_gemma",
-                    "zamba", "zamba2", "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "xlstm"}
-_ALIBI_TYPES = {"bloom", "mpt", "falcon"}  # falcon only when config.alibi
-
-
-def _check_supported(model: Any) -> None:
-    config = model.config
-    kind = getattr(config, "model_type", "?")
-    attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn.startswith("flash") or attn.startswith("flex") or "paged" in attn:
-        raise UnsupportedModelError(
-            f"attn_implementation={attn!r} cannot take a custom 4D tree mask; "
-            "load the model with attn_implementation='sdpa' or 'eager'"
-        )
-    if kind in _RECURRENT_TYPES:
-        raise UnsupportedModelError(f"model type {kind!r} has recurrent/state-space layers; tree verification needs attention KV")
-    if kind in _ALIBI_TYPES and (kind != "falcon" or getattr(config, "alibi", False)):
-        raise UnsupportedModelError(f"model type {kind!r} uses ALiBi, whose bias the tree mask would misplace")
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any("sliding" in str(t) or "chunked" in str(t) for t in layer_types)
-    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None) and not layer_types:
-        sliding = True
-    if sliding:
-        raise UnsupportedModelError(f"model type {kind!r} uses sliding-window attention; its cache cannot be compacted losslessly")
-
+__all__ = ["UnsupportedModelError", "check_supported", "random_tree", "self_test", "sequential_logits", "tolerance"]
 
 def tolerance(dtype: torch.dtype, scale: float) -> float:
     """Logit tolerance between batched-tree and sequential decoding, for logits of
@@ -53,7 +33,8 @@ def tolerance(dtype: torch.dtype, scale: float) -> float:
     return 2e-3 if dtype == torch.float32 else 0.06 * max(scale, 1.0)
 
 
-_checked: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+# Per model, which self-tests it passed: False (a short context), True (past its windows).
+_checked: "weakref.WeakKeyDictionary[Any, set[bool]]" = weakref.WeakKeyDictionary()
 
 
 def random_tree(rng: np.random.Generator, vocab: int, size: int, max_depth: int) -> DraftTree:
@@ -67,41 +48,85 @@ def random_tree(rng: np.random.Generator, vocab: int, size: int, max_depth: int)
     return builder.build()
 
 
-def sequential_logits(model: Any, context: Sequence[int], tree: DraftTree) -> torch.Tensor:
-    """Reference: each node's logits from plain decoding of context + its path."""
-    verifier = TreeVerifier(model)
-    rows = []
-    for node in range(len(tree)):
-        path = [tree.tokens[i] for i in tree.path_to(node)]
-        rows.append(verifier.prefill(list(context) + path)[-1])
-    return torch.stack(rows)
+def _plain_forward(model: Any, ids: Sequence[int], cache: Any) -> torch.Tensor:
+    params = inspect.signature(model.forward).parameters
+    keyword = "cache" if "cache" in params else "past_key_values"
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, **{keyword: cache})
+    return out.logits[0]
 
 
-def self_test(model: Any, seed: int = 0) -> float:
-    """Check once per model that tree verification matches sequential decoding;
-    returns the largest logit difference. Raises UnsupportedModelError otherwise."""
-    _check_supported(model)
-    if model in _checked:
+def sequential_logits(model: Any, context: Sequence[int], tree: DraftTree, prefix: Sequence[int] = ()) -> torch.Tensor:
+    """Reference: each node's logits from plain decoding of context + prefix + its path,
+    with the model's own masks and its own cache (sliding layers and all)."""
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # transformers < 4.56
+        cache = DynamicCache()
+    _plain_forward(model, list(context) + list(prefix), cache)
+    rows: dict[int, torch.Tensor] = {}
+    for path in tree.leaf_paths():
+        logits = _plain_forward(model, [tree.tokens[i] for i in path], copy.deepcopy(cache))
+        rows.update(zip(path, logits))
+    return torch.stack([rows[i] for i in range(len(tree))])
+
+
+def _branching_path(tree: DraftTree) -> list[int]:
+    """The path to the node whose index in the pass is furthest from its depth."""
+    node = max(range(len(tree)), key=lambda i: (i - tree.depths[i], tree.depths[i]))
+    return tree.path_to(node)
+
+
+def self_test(model: Any, seed: int = 0, past_windows: bool = False) -> float:
+    """Check once per model that tree verification matches sequential decoding, and
+    returns the largest logit difference; raises UnsupportedModelError otherwise.
+
+    ``past_windows``: on a context longer than every attention window the model has
+    (a no-op where it has none). That costs a prefill of the longest window twice, so
+    ``Decoder`` runs it the first time a request's context reaches a window, not at
+    load."""
+    found = check_supported(model)
+    done = _checked.setdefault(model, set())
+    if past_windows in done:
         return 0.0
     rng = np.random.default_rng(seed)
     vocab = int(model.config.vocab_size)
-    context = [int(t) for t in rng.integers(vocab, size=5)]
-    tree = random_tree(rng, vocab, 7, 3)
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    longest = found.longest(limit) if past_windows else 0
+    if past_windows and not longest:
+        done.add(True)
+        return 0.0
+    length = min(longest + 8, limit - 16) if longest else 5
+    context = [int(t) for t in rng.integers(vocab, size=max(length, 1))]
+    first, second = random_tree(rng, vocab, 7, 3), random_tree(rng, vocab, 7, 3)
+    path = _branching_path(first)
     try:
         verifier = TreeVerifier(model)
         verifier.prefill(context)
-        got = verifier.verify(tree).float()
-        want = sequential_logits(model, context, tree).float()
+        got = [verifier.verify(first).float()]
+        verifier.commit(path, len(first))
+        got.append(verifier.verify(second).float())
+        want = [sequential_logits(model, context, first).float(),
+                sequential_logits(model, context, second, [first.tokens[i] for i in path]).float()]
+    except UnsupportedModelError:
+        raise
     except Exception as err:  # an exotic modeling file: say what failed, not where
         raise UnsupportedModelError(
             f"{type(model).__name__}: tree verification failed its self-test ({type(err).__name__}: {err})"
         ) from err
-    error = float((got - want).abs().max())
-    limit = tolerance(verifier.dtype, float(want.abs().max()))
-    if not error <= limit:
+    error, scale = 0.0, 0.0
+    for g, w in zip(got, want):
+        error = max(error, host_float((g - w).abs().max()))
+        scale = max(scale, host_float(w.abs().max()))
+    limit_error = tolerance(verifier.dtype, scale)
+    if not error <= limit_error:
+        where = f" on a {len(context)}-token context (past its {longest}-position window)" if longest else ""
         raise UnsupportedModelError(
             f"{type(model).__name__}: tree-verified logits differ from sequential decoding by {error:.3g} "
-            f"(> {limit}); this model's attention does not honour a custom 4D mask"
+            f"(> {limit_error}){where}; this model's attention does not honour racer's tree masks"
         )
-    _checked[model] = True
+    done.add(past_windows)
     return error

@@ -1,7 +1,8 @@
 """Tree verification on a stock Hugging Face causal LM: one forward pass over a draft
-tree with a 4D additive mask, then KV compaction of the accepted path.
+tree with 4D additive masks (one per layer type where layers differ in their window:
+``racer.engine.windows``), then KV compaction of the accepted path.
 
-The stock modeling code takes a prepared 4D mask as-is, so no model file is patched.
+The stock modeling code takes prepared 4D masks as-is, so no model file is patched.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from racer.drafting.tree import DraftTree
+from racer.engine.support import check_supported
+from racer.engine.windows import AttentionLayout, indexed_windows
 from racer.fastpaths import KERNELS, FastPaths
 from racer.fastpaths.attention import TreeAttention, tree_attention
 from racer.fastpaths.kernels import LinearKernels
@@ -29,7 +32,9 @@ class TreeVerifier:
 
     def __init__(self, model: Any, fast_paths: FastPaths = FastPaths()) -> None:
         self.model = model
-        self.fast_paths = fast_paths
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.fast_paths = fast_paths.on(self.device.type)
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         if "logits_to_keep" in params:
@@ -38,9 +43,8 @@ class TreeVerifier:
             self._keep_kw = "num_logits_to_keep"
         else:
             self._keep_kw = None
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.layout: AttentionLayout = check_supported(model)
         self.cache: Any = None
         self.cached = 0
         # Which linear kernel (one of KERNELS) verifies a tree of n nodes: chosen per size
@@ -49,7 +53,7 @@ class TreeVerifier:
         self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
         # heads (None where it does not apply: see ``racer.fastpaths.attention``).
-        self.tree_attention: TreeAttention | None = tree_attention(model) if fast_paths.tree_attention else None
+        self.tree_attention: TreeAttention | None = tree_attention(model) if self.fast_paths.tree_attention else None
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every
@@ -86,10 +90,15 @@ class TreeVerifier:
         logits = out.logits[0]
         return logits[-keep:] if keep else logits
 
+    @staticmethod
+    def empty_cache(model: Any, growing: bool = True) -> Any:
+        """A new request's KV cache (``racer.fastpaths.kvcache.growing_cache``)."""
+        return growing_cache(model.config, growing)
+
     def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
         """Start a request: cache ``ids`` and return the logits at the last position
         (or at every position when ``all_logits``), shape (L or 1, vocab)."""
-        self.cache = growing_cache(self.model.config, self.fast_paths.growing_cache)
+        self.cache = self.empty_cache(self.model, self.fast_paths.growing_cache)
         self.cached = 0
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
@@ -98,13 +107,13 @@ class TreeVerifier:
         self.cached = n
         return logits
 
-    def tree_mask(self, tree: DraftTree) -> torch.Tensor:
-        """(1, 1, N, cached + N) additive mask: 0 on the cache, ancestors and self."""
-        n = len(tree)
-        mask = torch.zeros((1, 1, n, self.cached + n), dtype=self.dtype, device=self.device)
-        blocked = torch.from_numpy(~tree.ancestor_mask()).to(self.device)
-        mask[0, 0, :, self.cached :].masked_fill_(blocked, torch.finfo(self.dtype).min)
-        return mask
+    def tree_mask(self, tree: DraftTree) -> Any:
+        """The model's ``attention_mask`` for ``tree``: a (1, 1, N, cached + N) additive
+        mask, 0 where a node may attend (the cache within its layer's window, its
+        ancestors, itself), or one such mask per layer type."""
+        depths = torch.tensor(tree.depths, dtype=torch.long, device=self.device)
+        ancestors = torch.from_numpy(tree.ancestor_mask()).to(self.device)
+        return self.layout.masks(self.cached, depths, ancestors, self.dtype, max(tree.depths))
 
     def verify(self, tree: DraftTree) -> torch.Tensor:
         """Logits at every tree node, shape (N, vocab). The tree's KV is appended to
@@ -116,20 +125,24 @@ class TreeVerifier:
         positions = (torch.tensor(tree.depths, dtype=torch.long, device=self.device) + self.cached).unsqueeze(0)
         # A chain needs nothing but the model's own causal mask, but for more than one
         # new token that mask sends grouped-query layers down the path that repeats the
-        # cache's KV heads, which tree attention avoids.
-        if tree.is_chain and (n == 1 or self.tree_attention is None):
+        # cache's KV heads, which tree attention avoids. Windowed models always get
+        # racer's masks: the self-test checks those, not each family's own.
+        if tree.is_chain and (n == 1 or self.tree_attention is None) and not self.layout.windowed:
             mask = None
         else:
             mask = self.tree_mask(tree)
         linear = self.kernels.using(self.kernel_of(n))
         attention = self.tree_attention if mask is not None and self.tree_attention is not None else nullcontext()
-        with linear, attention:
-            return self._forward(ids, positions, mask, n)
+        with linear, attention, indexed_windows(self.layout, mask) as model_mask:
+            return self._forward(ids, positions, model_mask, n)
 
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Layers that hold no KV of their own (shared-KV or attention-free) have None.
         if hasattr(self.cache, "layers"):
-            return [(layer.keys, layer.values) for layer in self.cache.layers]
-        return list(zip(self.cache.key_cache, self.cache.value_cache))
+            pairs = [(layer.keys, layer.values) for layer in self.cache.layers]
+        else:
+            pairs = list(zip(self.cache.key_cache, self.cache.value_cache))
+        return [(k, v) for k, v in pairs if k is not None and k.dim() == 4]
 
     def commit(self, path: Sequence[int], tree_size: int) -> None:
         """Keep the KV of ``path`` (node indices, root first) right after the cached

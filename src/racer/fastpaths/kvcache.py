@@ -1,4 +1,5 @@
-"""A KV cache that appends in place.
+"""The KV cache of tree verification: every attention layer keeps every position
+(windowed layers too: ``racer.engine.windows`` masks their windows), and appends in place.
 
 Hugging Face's ``DynamicLayer`` appends a pass's keys and values with ``torch.cat``,
 which copies the whole cache of every layer on every pass, a cost that grows with the
@@ -86,10 +87,11 @@ GrowingLayer = _growing_layer_class()
 
 
 def growing_cache(config: Any, growing: bool = True) -> Any:
-    """A ``DynamicCache`` for ``config`` whose full-attention layers append in place
-    (unless not ``growing``); other layer kinds (sliding windows, linear attention) keep
-    their own classes, and transformers without per-layer caches get a plain
-    ``DynamicCache``."""
+    """A ``DynamicCache`` for ``config`` in which every attention layer keeps every
+    position: sliding-window and chunked layers too, because racer masks their windows
+    itself and compacts all layers alike (``racer.engine.windows``). Full layers append
+    in place (unless not ``growing``); other layer kinds keep their own classes, and
+    transformers without per-layer caches get a plain ``DynamicCache``."""
     from transformers import DynamicCache
 
     try:
@@ -97,11 +99,16 @@ def growing_cache(config: Any, growing: bool = True) -> Any:
     except TypeError:  # transformers < 4.56
         return DynamicCache()
     layers = getattr(cache, "layers", None)
-    if not growing or GrowingLayer is None or not layers:
+    if not layers:
         return cache
     from transformers.cache_utils import DynamicLayer
 
+    try:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+    except ImportError:
+        DynamicSlidingWindowLayer = DynamicLayer
+    full = GrowingLayer if growing and GrowingLayer is not None else DynamicLayer
     for index, layer in enumerate(layers):
-        if type(layer) is DynamicLayer:  # not its sliding-window or other subclasses
-            layers[index] = GrowingLayer()
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):  # not linear-attention or other subclasses
+            layers[index] = full()
     return cache
