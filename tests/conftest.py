@@ -29,6 +29,9 @@ import torch
 from racer.bench.questions import Question, load_questions
 
 REAL_FIXTURES = {"real", "real_bf16"}
+# Where the real model and the family matrix run: "cpu" here and in CI; scripts/gpu-check
+# sets "cuda" on a GPU machine.
+TEST_DEVICE = os.environ.get("RACER_TEST_DEVICE", "cpu")
 
 
 def _transformers_at_least(version: str) -> bool:
@@ -72,14 +75,14 @@ def real():
     """(model, tokenizer): the embedded SmolLM2-135M-Instruct in float32."""
     from racer import load_model
 
-    return load_model(dtype="float32")
+    return load_model(dtype="float32", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
 def real_bf16():
     from racer import load_model
 
-    return load_model(dtype="bfloat16")
+    return load_model(dtype="bfloat16", device=TEST_DEVICE)
 
 
 def make_tiny_llama(attn: str = "sdpa", seed: int = 0, dtype=torch.float32):
@@ -99,7 +102,7 @@ def tiny(request):
 
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
     """Reference: Hugging Face generate, greedy."""
-    tensor = torch.tensor([ids])
+    tensor = torch.tensor([ids], device=next(model.parameters()).device)
     with torch.inference_mode():
         out = model.generate(tensor, attention_mask=torch.ones_like(tensor), do_sample=False,
                              max_new_tokens=max_new_tokens, num_beams=1, top_p=None, top_k=None,

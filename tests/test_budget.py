@@ -306,3 +306,10 @@ def test_unmeasured_sizes_take_the_kernel_of_the_nearest_measured_size():
     got = {n: model.kernel(n) for n in range(1, 40)}
     assert got[1] == "model" and got[2] == got[3] == got[4] == got[5] == got[6] == "weight_major"  # 6: a tie
     assert got[7] == got[8] == got[12] == "packed" and got[13] == got[16] == got[39] == "model"
+
+
+def test_cost_model_never_predicts_a_free_or_negative_step_past_its_table():
+    # Measured on a short context, the last two sizes came out the wrong way round.
+    model = CostModel([1, 24, 32], [4.8e-4, 1.37e-3, 1.01e-3], length=24, per_position=6e-6)
+    assert all(model.predict(n, 8) > 0 for n in range(1, 200))
+    assert model.predict(64, 24) >= model.predict(32, 24)

@@ -168,3 +168,49 @@ def test_generation_options_are_one_value_for_generate_and_stream(real):
     assert len(decoder.generate(PROMPT, options, max_new_tokens=3).tokens) == 3
     with pytest.raises(TypeError, match="unexpected option max_tokens"):
         decoder.generate(PROMPT, max_tokens=3)
+
+
+@pytest.mark.parametrize("method, sampling", [("racer:capacity=16", {}), ("token-recycling", {}),
+                                              ("racer:capacity=16", {"temperature": 0.8, "batched": True}),
+                                              ("pld", {"repetition_penalty": 1.3}),
+                                              ("logitspec", {"batched": True})])
+def test_a_step_reads_the_device_once(tiny, method, sampling, monkeypatch):
+    """What an accelerator needs: each verification step reads back one tensor (every
+    node's chosen token beside the drafter's top-k), whatever the method. ``batched``:
+    the chooser an accelerator gets (sampling draws every node at once, and a drafter
+    that needs one row's top-k gets every row's in the same read)."""
+    import functools
+
+    import racer.engine.decoder as decoding
+    import racer.engine.sampling as choosing
+    from racer import Decoder
+
+    sampling = dict(sampling)
+    batched = sampling.pop("batched", None)
+    monkeypatch.setattr(decoding, "TokenChooser", functools.partial(decoding.TokenChooser, batched=batched))
+    reads = []
+    for module in (decoding, choosing):
+        real_read = module.to_host
+        monkeypatch.setattr(module, "to_host", lambda tensor, real_read=real_read: reads.append(1) or real_read(tensor))
+    decoder = Decoder(tiny, None, method)
+    decoder.calibrate()
+    counted = []
+    step = decoder._step
+
+    def counting_step(*args):
+        before = len(reads)
+        out = step(*args)
+        counted.append(len(reads) - before)
+        return out
+
+    decoder._step = counting_step
+    decoder.generate([5, 17, 42, 8, 5, 17, 42, 8], max_new_tokens=24, seed=0, **sampling)
+    assert counted and set(counted) == {1}, counted
+
+
+def test_cpu_only_fast_paths_are_off_on_other_devices():
+    from racer.fastpaths import FastPaths
+
+    assert FastPaths().on("cpu") == FastPaths()
+    assert FastPaths().on("cuda") == FastPaths(kernels=False, tree_attention=False, growing_cache=True)
+    assert FastPaths(growing_cache=False).on("cuda").growing_cache is False

@@ -184,8 +184,15 @@ def tiny_exact():
     return model, probs, nexts
 
 
-@pytest.mark.parametrize("method", ["none", "oracle", "racer:capacity=16", "pld"])
-def test_first_three_tokens_follow_plain_sampling(tiny_exact, method):
+@pytest.mark.parametrize("method, batched", [("none", False), ("oracle", False), ("racer:capacity=16", False),
+                                             ("pld", False), ("oracle", True), ("racer:capacity=16", True)])
+def test_first_three_tokens_follow_plain_sampling(tiny_exact, method, batched, monkeypatch):
+    """``batched``: every node draws at once, as on an accelerator (one host read a step)."""
+    import functools
+
+    import racer.engine.decoder as decoding
+
+    monkeypatch.setattr(decoding, "TokenChooser", functools.partial(TokenChooser, batched=batched))
     model, probs, nexts = tiny_exact
     drafter = OracleDrafter(nexts, depth=2) if method == "oracle" else method
     decoder = Decoder(model, None, drafter, check=False)
@@ -243,7 +250,8 @@ def test_two_siblings_at_one_half_give_five_eighths_under_the_per_path_scheme():
 REAL_SHAPE = dict(temperature=0.7, top_p=0.9)
 
 
-def test_tree_walk_on_real_logits_matches_sequential_sampling(real):
+@pytest.mark.parametrize("batched", [False, True])
+def test_tree_walk_on_real_logits_matches_sequential_sampling(real, batched):
     """One verification pass of a tree holding the 3 most likely tokens below each
     node for tokens 2 and 3 (after the greedy first token), then thousands of walks
     through it: tokens outside the tree are emitted by the walk, tokens inside it
@@ -260,7 +268,7 @@ def test_tree_walk_on_real_logits_matches_sequential_sampling(real):
     # One seeded generator stream: its draws are i.i.d. by construction. (Reseeding per
     # walk with seeds 0..1999 gave 63.1 against the critical 62.6 here, other blocks of
     # seeds 27-44, one stream 31-42: consecutive-seed draws are not what is under test.)
-    chooser = TokenChooser(SamplingParams(seed=0, **REAL_SHAPE))
+    chooser = TokenChooser(SamplingParams(seed=0, **REAL_SHAPE), batched=batched)
     rng = np.random.default_rng(0)
     counts: dict[tuple, int] = {}
     for _ in range(RUNS):

@@ -83,6 +83,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     import numpy as np
 
     from racer.drafting.tree import chain
+    from racer.engine.host import synchronize
     from racer.engine.selftest import random_tree
     from racer.engine.verifier import TreeVerifier
 
@@ -98,8 +99,10 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     def timed(on: Any, size: int, kernel: str) -> float:
         on.use_kernel(kernel)
         tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
+        synchronize(on.device)
         start = time.perf_counter()
-        float(on.verify(tree)[-1, 0])  # reading a value waits for an asynchronous device
+        on.verify(tree)
+        synchronize(on.device)  # an accelerator returns before its work is done
         seconds = time.perf_counter() - start
         on.commit([], size)  # drop the tree again
         return seconds
@@ -144,6 +147,7 @@ def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
     """Whether ``kernel`` is available and gives this model the logits its own layers
     give (a kernel leaves alone layers that do not call ``linear`` on plain weights, so
     this guards against an exotic modeling file or a broken build, not rounding)."""
+    from racer.engine.host import host_float
     from racer.engine.selftest import random_tree, tolerance
 
     if not verifier.kernels.available(kernel):
@@ -154,8 +158,8 @@ def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
         verifier.use_kernel(name)
         logits.append(verifier.verify(tree).float())
         verifier.commit([], len(tree))
-    error = float((logits[0] - logits[1]).abs().max())
-    return error <= tolerance(verifier.dtype, float(logits[0].abs().max()))
+    error = host_float((logits[0] - logits[1]).abs().max())
+    return error <= tolerance(verifier.dtype, host_float(logits[0].abs().max()))
 
 
 def disk_cache_enabled() -> bool:

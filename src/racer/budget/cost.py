@@ -87,6 +87,12 @@ class CostModel:
     def _predict(self, seconds: Sequence[float], nodes: int, cached: int) -> float:
         i, j, w = self._bracket(nodes)
         base = (1 - w) * seconds[i] + w * seconds[j]
+        if w > 1 and seconds[j] < seconds[i]:
+            # Past the largest measured size (a context too short to measure more) the
+            # last segment's slope may be negative on a noisy CPU: grow at the curve's
+            # mean slope instead, never shrink.
+            slope = max((seconds[-1] - seconds[0]) / (self.sizes[-1] - self.sizes[0]), 0.0)
+            base = seconds[-1] + slope * (nodes - self.sizes[-1])
         growth = (cached - self.length) * (self.per_position + self.per_position_node * nodes)
         return max(base + growth, 0.25 * base)
 

@@ -17,9 +17,10 @@ import torch
 from racer.budget import CostCurve, CostModel, DraftBudget, WholeTree
 from racer.budget.calibration import announce_on_stderr, load_or_measure
 from racer.drafting import Drafter, Method, parse_method
+from racer.engine.host import to_host
 from racer.engine.options import GenerationOptions, encode_prompt
 from racer.engine.results import GenerationResult, StepStats
-from racer.engine.sampling import TokenChooser
+from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import self_test
 from racer.engine.stopping import Chunk, Stopper, end_token_ids
 from racer.engine.verifier import TreeVerifier
@@ -27,9 +28,8 @@ from racer.fastpaths import FastPaths
 
 
 def top_ids(logits: torch.Tensor, k: int) -> np.ndarray:
-    """The ``k`` most likely token ids of each row, as a host array: the one place where
-    predictions leave the device for a drafter."""
-    return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
+    """The ``k`` most likely token ids of each row, as a host array."""
+    return to_host(torch.topk(logits, k, dim=-1).indices)
 
 
 @dataclass
@@ -53,7 +53,8 @@ class Decoder:
     cached on disk, see ``calibrate``); a measured ``CostModel`` also says which linear
     kernel verifies each tree size fastest. ``fast_paths``: ``False`` verifies with the
     model's own code only, or a ``FastPaths`` switches each fast path on its own.
-    ``check``: self-test tree verification on this model first."""
+    ``check``: self-test tree verification on this model first (and, the first time a
+    request's context reaches one of its attention windows, past its windows)."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "none", *,
                  capacity: int | str | None = None, cost: CostCurve | None = None, check: bool = True,
@@ -61,10 +62,12 @@ class Decoder:
         self.model, self.tokenizer = model, tokenizer
         self.method = _resolve_method(method, capacity)
         self.drafter = self.method.drafter
-        self.fast_paths = FastPaths.of(fast_paths)
+        self.fast_paths = FastPaths.of(fast_paths).on(next(model.parameters()).device.type)
         if check:
             self_test(model)
         self.verifier = TreeVerifier(model, self.fast_paths)
+        # The self-test past the model's windows waits for the first request that reaches one.
+        self._window_check = self.verifier.layout.shortest(self.verifier.max_positions) if check else None
         self.end_ids = end_token_ids(model, tokenizer)
         self.drafter.attach(tokenizer, set(self.end_ids))
         self.cost: CostCurve | None = None
@@ -125,6 +128,9 @@ class Decoder:
         return request, request.stopper.cut(result.tokens, [root])
 
     def _step(self, request: _Request, size: int) -> tuple[StepStats, Chunk]:
+        if self._window_check is not None and self.verifier.cached + size >= self._window_check:
+            self_test(self.model, past_windows=True)
+            self._window_check = None
         emitted = request.result.tokens
         start = time.perf_counter()
         candidates = self.drafter.draft(emitted[-1], size)
@@ -132,9 +138,8 @@ class Decoder:
         tree = self.budget.select(candidates, cached)
         drafted = time.perf_counter()
         logits = self.verifier.verify(tree)
-        path, following = request.chooser.accept(tree, logits, request.ids, emitted)
+        path, following, topk = self._accept(request, tree, logits)
         self.verifier.commit(path, len(tree))
-        topk = self._top_ids(logits, path[-1] if self.drafter.needs.at == "last" else None)
         verified = time.perf_counter()
         self.drafter.observe(tree, topk, path)
         observed = time.perf_counter()
@@ -142,6 +147,29 @@ class Decoder:
         stats = StepStats(len(tree), len(path) - 1, (drafted - start) + (observed - verified), verified - drafted,
                           len(candidates))
         return stats, request.stopper.cut(emitted, [tree.tokens[i] for i in path[1:]] + [following])
+
+    def _accept(self, request: _Request, tree: Any, logits: torch.Tensor) -> tuple[list[int], int, np.ndarray | None]:
+        """The accepted path, the token after it and the drafter's top-k ids, read from
+        the device in one transfer: each node's chosen token beside its top-k ids. (A
+        walk that samples node by node, and top-k of the last node only, read after the
+        path is known: both happen on the CPU only, where reading costs nothing.)"""
+        needs = self.drafter.needs
+        chosen = request.chooser.node_tokens(tree, logits, request.ids, request.result.tokens)
+        if chosen is None:
+            path, following = request.chooser.walk(tree, logits, request.ids, request.result.tokens)
+            return path, following, self._top_ids(logits, path[-1] if needs.at == "last" else None)
+        # Off the CPU (a batched chooser) the top-k of every row travels with the tokens,
+        # even for a drafter that needs only the last accepted node's.
+        every_row = needs.topk and (needs.at == "tree" or request.chooser.batched)
+        if every_row:
+            host = to_host(torch.cat([chosen[:, None], torch.topk(logits, needs.topk, dim=-1).indices], dim=1))
+            tokens, topk = host[:, 0].tolist(), host[:, 1:]
+        else:
+            tokens, topk = to_host(chosen).tolist(), None
+        path = accept_greedy(tree, tokens)
+        if needs.topk and needs.at == "last":
+            topk = topk[path[-1] : path[-1] + 1] if topk is not None else self._top_ids(logits, path[-1])
+        return path, tokens[path[-1]], topk
 
     def _top_ids(self, logits: torch.Tensor, row: int | None) -> np.ndarray | None:
         """The drafter's top-k ids of every row of ``logits``, or of one row; None when it

@@ -5,7 +5,11 @@ Sampling walks the tree from the root: at each node it draws one token from the
 model's processed distribution there; if a child carries that token it descends,
 otherwise it emits the token and stops. Drafts carry no probabilities, so every emitted
 token is an exact sample from the model given its true context, whatever the tree —
-the output distribution is that of plain sampling. Logits are processed with
+the output distribution is that of plain sampling. On an accelerator every node draws
+its token at once, in one batched draw, and the walk then reads them (one host read a
+step); the walk only ever looks at the draws of the nodes it visits, each independent
+of the others, so the distribution is the same. On the CPU, where a read costs nothing,
+only the visited nodes are processed and drawn, in turn. Logits are processed with
 transformers' own processors, in generate's order (repetition penalty, temperature,
 top-k, top-p), in float32.
 """
@@ -19,6 +23,7 @@ from typing import Sequence
 import torch
 
 from racer.drafting.tree import DraftTree
+from racer.engine.host import to_host
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,11 @@ def accept_greedy(tree: DraftTree, argmax: Sequence[int]) -> list[int]:
 class TokenChooser:
     """One request's token choice: greedy, or sampling with its own generator."""
 
-    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu") -> None:
+    def __init__(self, params: SamplingParams, device: torch.device | str = "cpu",
+                 batched: bool | None = None) -> None:
+        """``batched``: draw every node's token at once (default: off the CPU only)."""
         self.params = params
+        self.batched = torch.device(device).type != "cpu" if batched is None else batched
         self.processors = params.processors()
         # Only the repetition penalty reads the context; the warpers ignore it, so
         # without the penalty no per-token copy of the context is made.
@@ -114,32 +122,41 @@ class TokenChooser:
     def first(self, last_logits: torch.Tensor, prompt: Sequence[int]) -> int:
         """The token after the prompt, from the prefill's last logits (1, vocab)."""
         if self.params.greedy and not self.processors:
-            return int(torch.argmax(last_logits[-1]))
+            return int(to_host(torch.argmax(last_logits[-1])))
         context = torch.tensor([list(prompt) if self.reads_context else []], dtype=torch.long,
                                device=last_logits.device)
         return self._pick(self.process(last_logits[-1:], context)[0])
 
     def _pick(self, scores: torch.Tensor) -> int:
         if self.generator is None:
-            return int(torch.argmax(scores))
+            return int(to_host(torch.argmax(scores)))
         probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return int(to_host(torch.multinomial(probs, 1, generator=self.generator))[0])
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, prompt: Sequence[int],
-               emitted: Sequence[int]) -> tuple[list[int], int]:
-        """The accepted node path (root first) and the token that follows it. The
-        tree's root is ``emitted[-1]``; the prompt and emitted tokens are the context
-        the repetition penalty looks at."""
+    def node_tokens(self, tree: DraftTree, logits: torch.Tensor, prompt: Sequence[int],
+                    emitted: Sequence[int]) -> torch.Tensor | None:
+        """Each node's chosen token, shape (N,), left on the device: its argmax
+        (greedy) or one draw from its processed distribution (batched sampling). None
+        where the chooser samples by walking (``walk``). The tree's root is
+        ``emitted[-1]``; the prompt and emitted tokens are the context the repetition
+        penalty looks at."""
         if self.params.greedy and not self.processors:
-            argmax = torch.argmax(logits, dim=-1).tolist()
-            path = accept_greedy(tree, argmax)
-            return path, argmax[path[-1]]
+            return torch.argmax(logits, dim=-1)
+        if not self.params.greedy and not self.batched:
+            return None
         base = list(prompt) + list(emitted) if self.reads_context else []
-        if self.params.greedy:  # repetition penalty only: every node's argmax is needed
-            contexts = _node_contexts(tree, base, logits.device)
-            argmax = torch.argmax(self.process(logits, contexts), dim=-1).tolist()
-            path = accept_greedy(tree, argmax)
-            return path, argmax[path[-1]]
+        contexts = _node_contexts(tree, base, logits.device) if self.reads_context else \
+            torch.empty((len(tree), 0), dtype=torch.long, device=logits.device)
+        scores = self.process(logits, contexts)
+        if self.params.greedy:  # repetition penalty only
+            return torch.argmax(scores, dim=-1)
+        return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=self.generator)[:, 0]
+
+    def walk(self, tree: DraftTree, logits: torch.Tensor, prompt: Sequence[int],
+             emitted: Sequence[int]) -> tuple[list[int], int]:
+        """Sampling by walking the tree, drawing at each visited node in turn: the
+        accepted node path (root first) and the token that follows it."""
+        base = list(prompt) + list(emitted) if self.reads_context else []
         path, node = [0], 0
         while True:
             tokens = base + [tree.tokens[i] for i in path[1:]] if self.reads_context else []
@@ -151,6 +168,16 @@ class TokenChooser:
                 return path, token
             path.append(child)
             node = child
+
+    def accept(self, tree: DraftTree, logits: torch.Tensor, prompt: Sequence[int],
+               emitted: Sequence[int]) -> tuple[list[int], int]:
+        """The accepted node path (root first) and the token that follows it."""
+        chosen = self.node_tokens(tree, logits, prompt, emitted)
+        if chosen is None:
+            return self.walk(tree, logits, prompt, emitted)
+        tokens = to_host(chosen).tolist()
+        path = accept_greedy(tree, tokens)
+        return path, tokens[path[-1]]
 
 
 def _node_contexts(tree: DraftTree, base: list[int], device: torch.device) -> torch.Tensor:

@@ -37,6 +37,15 @@ class FastPaths:
             return FastPaths(value, value, value)
         raise ValueError(f"fast_paths: expected True, False or a FastPaths, got {value!r}")
 
+    def on(self, device_type: str) -> "FastPaths":
+        """The fast paths that apply on a ``device_type`` ("cpu", "cuda", ...): the
+        linear kernels (oneDNN packing, weight-major products timed against the CPU's
+        own) and tree attention (a CPU SDPA property) are CPU-only; the growing cache
+        applies everywhere."""
+        if device_type == "cpu":
+            return self
+        return FastPaths(kernels=False, tree_attention=False, growing_cache=self.growing_cache)
+
     def key(self) -> dict[str, Any]:
         return asdict(self)
 
