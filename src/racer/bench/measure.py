@@ -8,6 +8,7 @@ a step that the public API does not expose.
     python -m racer.bench.measure attention --threads 2
     python -m racer.bench.measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
     python -m racer.bench.measure append --threads 2
+    python -m racer.bench.measure selftest --threads 2
 """
 
 from __future__ import annotations
@@ -245,9 +246,43 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
         print(f"  {m}: identical on {len(firsts) - len(diverged)}/{len(firsts)} prompts{where}")
 
 
+def selftest(threads: int, windows: tuple[int, ...] = (1024, 4096)) -> None:
+    """What the self-test costs: at load on the embedded model (median of 4 after one
+    warm-up), and past a window on random-weight Mistral models of the embedded model's
+    shape with each sliding window in ``windows``."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from racer.engine import selftest as check
+
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    times = []
+    for _ in range(5):
+        check._checked.pop(model, None)
+        start = time.perf_counter()
+        check.self_test(model)
+        times.append(time.perf_counter() - start)
+    print(f"self-test at load, embedded model, {threads} threads: median {statistics.median(times[1:]):.2f} s")
+    config = model.config
+    for window in windows:
+        shape = MistralConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+                              num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+                              num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
+                              head_dim=config.hidden_size // config.num_attention_heads,
+                              max_position_embeddings=2 * max(windows), sliding_window=window,
+                              attn_implementation="sdpa")
+        torch.manual_seed(0)
+        windowed = MistralForCausalLM(shape).eval()
+        start = time.perf_counter()
+        check.self_test(windowed, past_windows=True)
+        print(f"self-test past a {window}-token window, random-weight Mistral of that shape: "
+              f"{time.perf_counter() - start:.1f} s")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence", "append"])
+    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence", "append",
+                                         "selftest"])
     parser.add_argument("--dataset", default="human_eval")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
@@ -264,6 +299,8 @@ if __name__ == "__main__":
         attention(a.threads)
     elif a.what == "append":
         append(a.threads)
+    elif a.what == "selftest":
+        selftest(a.threads)
     elif a.what == "evidence":
         evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:
