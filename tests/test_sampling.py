@@ -321,3 +321,22 @@ def test_repetition_penalty_greedy_matches_hf_generate(real):
                             repetition_penalty=1.3, top_p=None, top_k=None, temperature=None)[0, len(ids):].tolist()
     for method in ("none", "racer:capacity=16"):
         assert Decoder(model, tokenizer, method).generate(ids, max_new_tokens=48, repetition_penalty=1.3).tokens == hf
+
+
+def test_first_three_tokens_follow_plain_sampling_in_a_batch(tiny_exact):
+    """Sampled beside another request in the other row, joining and leaving together."""
+    from racer.engine.batch import BatchDecoder
+
+    model, probs, nexts = tiny_exact
+    batch = BatchDecoder(model, None, "racer:capacity=16", max_batch=2, check=False)
+    counts: dict[tuple, int] = {}
+    for seed in range(RUNS):
+        mine = batch.submit(TINY_PROMPT, max_new_tokens=3, seed=seed, **TINY_SHAPE)
+        other = batch.submit([3, 9, 27, 81, 5, 9], max_new_tokens=2 + seed % 3)
+        while batch.busy:
+            batch.step()
+        key = tuple(batch.result(mine).tokens)
+        batch.result(other)
+        counts[key] = counts.get(key, 0) + 1
+    stat, df = chi2(counts, probs, RUNS)
+    assert stat < chi2_critical(df), (stat, df)

@@ -18,7 +18,7 @@ from racer.budget import CostCurve, CostModel, DraftBudget, WholeTree
 from racer.budget.calibration import announce_on_stderr, load_or_measure
 from racer.drafting import Drafter, Method, parse_method
 from racer.engine.host import to_host
-from racer.engine.options import GenerationOptions, encode_prompt
+from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import self_test
@@ -97,7 +97,7 @@ class Decoder:
     # -- the loop -------------------------------------------------------------------
     def _run(self, prompt: Any, options: GenerationOptions, result: GenerationResult) -> Iterator[list[int]]:
         """Prefill, then one step per verification pass; yields each pass's new tokens."""
-        ids = self._encode(prompt, options)
+        ids = request_ids(self.tokenizer, prompt, options, self.verifier.max_positions)
         self.calibrate()
         request, chunk = self._prefill(ids, options, result)
         while True:
@@ -178,16 +178,6 @@ class Decoder:
         if not k:
             return None
         return top_ids(logits if row is None else logits[row : row + 1], k)
-
-    def _encode(self, prompt: Any, options: GenerationOptions) -> list[int]:
-        if options.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer")
-        ids = encode_prompt(self.tokenizer, prompt, options.chat)
-        limit = self.verifier.max_positions
-        if len(ids) >= limit:
-            raise ValueError(f"prompt: {len(ids)} tokens do not fit the model's context window of {limit} tokens "
-                             "(one position is needed for the first new token)")
-        return ids
 
     # -- public entry points ------------------------------------------------------------
     def generate(self, prompt: Any, options: GenerationOptions | None = None, **fields: Any) -> GenerationResult:

@@ -71,5 +71,17 @@ def encode_prompt(tokenizer: Any, prompt: Any, chat: bool) -> list[int]:
     raise ValueError(f"prompt: expected text, chat messages or token ids, got {type(prompt).__name__}")
 
 
+def request_ids(tokenizer: Any, prompt: Any, options: GenerationOptions, context: int) -> list[int]:
+    """A request's prompt as token ids (``encode_prompt``), checked against the options
+    and a context window of ``context`` positions."""
+    if options.stop and tokenizer is None:
+        raise ValueError("stop: stop strings need a tokenizer")
+    ids = encode_prompt(tokenizer, prompt, options.chat)
+    if len(ids) >= context:
+        raise ValueError(f"prompt: {len(ids)} tokens do not fit the model's context window of {context} tokens "
+                         "(one position is needed for the first new token)")
+    return ids
+
+
 def _empty() -> list[int]:
     raise ValueError("prompt: expected at least one token, got none")

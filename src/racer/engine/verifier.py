@@ -79,16 +79,18 @@ class TreeVerifier:
         self.set_kernels(lambda n: kernel, [kernel])
 
     # -- forward passes -------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                 keep: int) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, keep: int,
+                 batched: bool = False) -> torch.Tensor:
+        """Logits of the last ``keep`` positions (all where 0): (keep, vocab), or
+        (rows, keep, vocab) when ``batched``."""
         kwargs: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True,
                                   "position_ids": positions, "attention_mask": mask}
         if self._keep_kw is not None and keep:
             kwargs[self._keep_kw] = keep
         with torch.inference_mode():
             out = self.model(input_ids=ids, **kwargs)
-        logits = out.logits[0]
-        return logits[-keep:] if keep else logits
+        logits = out.logits if batched else out.logits[0]
+        return logits[..., -keep:, :] if keep else logits
 
     @staticmethod
     def empty_cache(model: Any, growing: bool = True) -> Any:

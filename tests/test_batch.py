@@ -1,0 +1,138 @@
+"""Continuous batching (``racer.engine.batch``): every request's output is the output of
+decoding it alone, whatever else is in the batch, whoever joins or leaves mid-way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions, make_tiny_llama
+from families import FAMILIES, build, prompts as family_prompts, shared_cost
+from racer import Decoder
+from racer.engine import encode_prompt
+from racer.engine.batch import BatchDecoder
+
+TINY_LENGTHS = (5, 12, 20, 8, 30, 3, 16, 9)
+
+
+def tiny_prompts(vocab: int = 97) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for length in TINY_LENGTHS:
+        phrase = [int(t) for t in rng.integers(3, vocab, size=6)]
+        out.append((phrase * 10)[:length])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return make_tiny_llama()
+
+
+@pytest.mark.parametrize("spec", ["none", "pld", "racer:capacity=16", "racer", "token-recycling", "logitspec"])
+def test_every_request_decodes_as_it_would_alone(tiny_model, spec):
+    """8 requests of mixed lengths through 4 rows: half join as others leave, prompts
+    prefilled in chunks of 7 tokens."""
+    prompts = tiny_prompts()
+    alone = [Decoder(tiny_model, None, spec, cost=shared_cost()).generate(p, max_new_tokens=24).tokens
+             for p in prompts]
+    batch = BatchDecoder(tiny_model, None, spec, max_batch=4, prefill_chunk=7, cost=shared_cost())
+    results = batch.generate_all(prompts, max_new_tokens=24)
+    assert [r.tokens for r in results] == alone
+    assert [r.tokens for r in results] == [hf_greedy(tiny_model, p, 24) for p in prompts]
+    if spec != "none":
+        assert sum(s.accepted for r in results for s in r.steps) > 0
+
+
+@pytest.mark.parametrize("label", ["Gemma 2", "GPT-Neo (global + local layers)", "Llama 4 (chunked)",
+                                   "Gemma 3n (KV-shared layers)", "Mistral (sliding window)"])
+def test_windowed_families_batch_losslessly_past_their_windows(label):
+    model = build(next(f for f in FAMILIES if f.label == label))
+    prompts = [family_prompts(128, seed)["long"][:length] for seed, length in enumerate((40, 10, 33, 6, 25, 18))]
+    batch = BatchDecoder(model, None, "racer:capacity=16", max_batch=3, prefill_chunk=9)
+    results = batch.generate_all(prompts, max_new_tokens=32)
+    assert [r.tokens for r in results] == [Decoder(model, None, "racer:capacity=16").generate(
+        p, max_new_tokens=32).tokens for p in prompts]
+
+
+def test_a_cancelled_request_frees_its_row_and_the_others_go_on(tiny_model):
+    prompts = tiny_prompts()[:4]
+    alone = [Decoder(tiny_model, None, "racer:capacity=16").generate(p, max_new_tokens=24).tokens for p in prompts]
+    batch = BatchDecoder(tiny_model, None, "racer:capacity=16", max_batch=4)
+    ids = [batch.submit(p, max_new_tokens=24) for p in prompts]
+    for _ in range(6):
+        batch.step()
+    batch.cancel(ids[1])
+    while batch.busy:
+        batch.step()
+    cancelled = batch.result(ids[1])
+    assert cancelled.stop_reason == "cancelled" and len(cancelled.tokens) < 24
+    assert [batch.result(i).tokens for i in (ids[0], ids[2], ids[3])] == [alone[0], alone[2], alone[3]]
+    assert batch.slots.rows == 0
+
+
+def test_stop_and_limits_end_each_request_on_its_own(tiny_model):
+    prompts = tiny_prompts()[:3]
+    batch = BatchDecoder(tiny_model, None, "pld", max_batch=3)
+    ids = [batch.submit(p, max_new_tokens=n) for p, n in zip(prompts, (1, 5, 17))]
+    updates = []
+    while batch.busy:
+        updates += batch.step()
+    results = [batch.result(i) for i in ids]
+    assert [len(r.tokens) for r in results] == [1, 5, 17]
+    assert all(r.stop_reason == "length" for r in results)
+    for i, result in zip(ids, results):  # every request ends with exactly one update saying so
+        assert [u.done for u in updates if u.request == i].count(True) == 1
+        assert sum((u.tokens for u in updates if u.request == i), []) == result.tokens
+    with pytest.raises(KeyError, match="has not finished"):
+        batch.result(ids[0])  # handed over once: nothing of a request stays
+
+
+def test_a_seed_repeats_a_sampled_request(tiny_model):
+    prompt = tiny_prompts()[2]
+    runs = []
+    for _ in range(2):
+        batch = BatchDecoder(tiny_model, None, "racer:capacity=16", max_batch=2)
+        runs.append(batch.generate_all([prompt], max_new_tokens=16, temperature=1.0, seed=7)[0].tokens)
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"method": 3}, "method"), ({"max_batch": 0}, "max_batch"), ({"prefill_chunk": True}, "prefill_chunk"),
+    ({"method": "racer:capacity=auto"}, "cost"), ({"method": "nope"}, "method"),
+])
+def test_bad_arguments_name_themselves(tiny_model, kwargs, pattern):
+    arguments = {"method": "pld", **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        BatchDecoder(tiny_model, None, arguments.pop("method"), **arguments)
+
+
+def test_a_batched_step_reads_the_device_once(tiny_model, monkeypatch):
+    import racer.engine.batch as batching
+
+    reads = []
+    real = batching.to_host
+    monkeypatch.setattr(batching, "to_host", lambda tensor: reads.append(1) or real(tensor))
+    batch = BatchDecoder(tiny_model, None, "racer:capacity=16", max_batch=8)
+    for prompt in tiny_prompts():
+        batch.submit(prompt, max_new_tokens=12)
+    while batch.waiting:  # prefills (one read each, for the first token's top-k)
+        batch.step()
+    before = len(reads)
+    steps = 0
+    while batch.busy:
+        batch.step()
+        steps += 1
+    assert len(reads) - before == steps
+
+
+def test_real_model_requests_batch_losslessly(real):
+    model, tokenizer = real
+    questions = lossless_questions()[::5][:8]
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True) for q in questions]
+    decoder = Decoder(model, tokenizer, "racer")
+    decoder.calibrate()
+    batch = BatchDecoder(model, tokenizer, "racer", max_batch=8, prefill_chunk=64, cost=decoder.cost)
+    tokens = LOSSLESS_NEW_TOKENS // 2
+    results = batch.generate_all(prompts, max_new_tokens=tokens)
+    assert [r.tokens for r in results] == [hf_greedy(model, p, tokens) for p in prompts]
