@@ -88,13 +88,16 @@ def test_stop_and_limits_end_each_request_on_its_own(tiny_model):
         batch.result(ids[0])  # handed over once: nothing of a request stays
 
 
-def test_a_seed_repeats_a_sampled_request(tiny_model):
+@pytest.mark.parametrize("spec", ["racer:capacity=16", "token-recycling:capacity=16", "logitspec:capacity=16"])
+def test_a_seed_repeats_a_sampled_request(tiny_model, spec):
     prompt = tiny_prompts()[2]
     runs = []
     for _ in range(2):
-        batch = BatchDecoder(tiny_model, None, "racer:capacity=16", max_batch=2)
-        runs.append(batch.generate_all([prompt], max_new_tokens=16, temperature=1.0, seed=7)[0].tokens)
-    assert runs[0] == runs[1]
+        batch = BatchDecoder(tiny_model, None, spec, max_batch=2)
+        result = batch.generate_all([prompt, tiny_prompts()[4]], max_new_tokens=48, temperature=0.7, seed=7)[0]
+        runs.append(result.tokens)
+    assert runs[0] == runs[1] and len(runs[0]) == 48
+    assert sum(s.accepted for s in result.steps) > 0  # drafts were accepted while sampling
 
 
 @pytest.mark.parametrize("kwargs, pattern", [

@@ -89,8 +89,16 @@ def test_every_device_to_host_copy_goes_through_one_helper():
             assert call not in text, f"{path.relative_to(SRC)} calls {call}: use racer.engine.host"
 
 
+def test_the_server_calls_only_the_public_api():
+    inner = ("racer.engine", "racer.drafting", "racer.budget", "racer.fastpaths", "racer.bench")
+    for path in (SRC / "serve").glob("*.py"):
+        bad = {name for name in _imports(path) if name.startswith(inner) or name.split(".")[0] == "torch"}
+        assert not bad, f"serve/{path.name} imports {bad}"
+    assert "fastapi" not in _imports(SRC / "serve" / "protocol.py")  # the protocol is plain Python
+
+
 def test_every_folder_states_its_rule():
-    for folder in ("drafting", "budget", "engine", "fastpaths", "bench"):
+    for folder in ("drafting", "budget", "engine", "fastpaths", "bench", "serve"):
         doc = ast.get_docstring(ast.parse((SRC / folder / "__init__.py").read_text(encoding="utf-8")))
         rule = doc.splitlines()[0]
         assert rule.endswith(".") and len(rule) <= 100, folder

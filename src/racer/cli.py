@@ -96,6 +96,20 @@ def _build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--refresh", action="store_true", help="measure again, replacing the cached table")
     _add_model_args(cost)
 
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)")
+    serve.add_argument("--method", default="racer", help="draft method with options, as in generate (default: racer)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=_positive, default=8000, help="port (default: 8000)")
+    serve.add_argument("--max-batch", type=_positive, default=8, help="requests verified together (default: 8)")
+    serve.add_argument("--max-queue", type=int, default=32,
+                       help="requests waiting beyond the batch before new ones get 429 (default: 32)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    serve.add_argument("--default-max-tokens", type=_positive, default=1024,
+                       help="max_tokens of a request that names none (default: 1024, or the rest of the context)")
+    serve.add_argument("--grace", type=float, default=10.0,
+                       help="seconds SIGTERM lets requests in flight finish (default: 10)")
+    _add_model_args(serve)
+
     store = sub.add_parser("datastore", help="REST datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="tokenise a corpus and write its suffix array, for rest:datastore=DIR")
@@ -270,6 +284,18 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from racer.serve import serve
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue: expected 0 or more, got {args.max_queue}")
+    _setup_torch(args.threads)
+    serve(args.model, method=args.method, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
+          max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
+          default_max_tokens=args.default_max_tokens, grace=args.grace)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -282,6 +308,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_datastore(args)
         if args.command == "cost":
             return _cmd_cost(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         return _cmd_generate(args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)

@@ -107,6 +107,11 @@ class BatchDecoder:
         self._finished: dict[int, _Request] = {}
         self._next_id = 0
 
+    def fresh(self) -> "BatchDecoder":
+        """A new, empty decoder with the same model and settings (no self-test again)."""
+        return BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
+                            prefill_chunk=self.prefill_chunk, cost=self.cost, check=False, fast_paths=self.fast_paths)
+
     # -- requests -------------------------------------------------------------------
     def submit(self, prompt: Any, options: GenerationOptions | None = None, **fields: Any) -> int:
         """Queue a request (text, chat messages or token ids); returns its id."""
@@ -223,16 +228,14 @@ class BatchDecoder:
         verified_at = time.perf_counter()
         ended = []
         for request, tree, tokens, rows_topk, proposed in zip(list(self._active), trees, chosen, topk, candidates):
-            if tokens is None:  # a sampling walk on the CPU
+            if tokens is None:  # a sampling walk on the CPU (the top-k came with the read)
                 path, following = request.chooser.walk(tree, logits[request.row, : len(tree)], request.ids,
                                                        request.result.tokens)
-                rows_topk = (top_ids(logits[request.row, path[-1] : path[-1] + 1], self.needs.topk)
-                             if self.needs.topk else None)
             else:
                 path = accept_greedy(tree, tokens)
                 following = tokens[path[-1]]
-                if rows_topk is not None and self.needs.at == "last":
-                    rows_topk = rows_topk[path[-1] : path[-1] + 1]
+            if rows_topk is not None and self.needs.at == "last":
+                rows_topk = rows_topk[path[-1] : path[-1] + 1]
             cached = self.slots.state.lengths[request.row]
             self.slots.compact(request.row, path)
             request.drafter.observe(tree, rows_topk, path)

@@ -1,0 +1,47 @@
+"""``/metrics`` in Prometheus' text format (``prometheus_client``), one registry per server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """Requests by route and status, queue length and batch size, completion tokens,
+    passes and draft tokens proposed, verified and accepted (tokens/s and MAT are their
+    rates and ratios), and request latency."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("racer_requests", "HTTP requests answered", ["route", "status"], registry=r)
+        self.queue = Gauge("racer_queue_length", "requests waiting for a batch row", registry=r)
+        self.batch = Gauge("racer_batch_size", "requests decoding in the batch", registry=r)
+        self.tokens = Counter("racer_completion_tokens", "tokens generated", registry=r)
+        self.passes = Counter("racer_verification_passes", "verification passes, summed over requests",
+                              registry=r)
+        self.proposed = Counter("racer_draft_tokens_proposed", "draft tokens the drafters proposed", registry=r)
+        self.verified = Counter("racer_draft_tokens_verified", "draft tokens verified", registry=r)
+        self.accepted = Counter("racer_draft_tokens_accepted", "draft tokens accepted", registry=r)
+        self.latency = Histogram("racer_request_seconds", "request latency", registry=r,
+                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
+
+    def request(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def step(self, active: int, waiting: int, updates: list) -> None:
+        self.batch.set(active)
+        self.queue.set(waiting)
+
+    def finished(self, result: Any, seconds: float) -> None:
+        self.tokens.inc(len(result.tokens))
+        self.passes.inc(result.passes)
+        self.proposed.inc(sum(max(s.candidates - 1, 0) for s in result.steps))
+        self.verified.inc(sum(s.tree_size - 1 for s in result.steps))
+        self.accepted.inc(sum(s.accepted for s in result.steps))
+        self.latency.observe(seconds)
+
+    def render(self) -> tuple[str, str]:
+        return generate_latest(self.registry).decode(), CONTENT_TYPE_LATEST

@@ -1,0 +1,315 @@
+"""``racer serve``: a real server process on 127.0.0.1, the embedded model, the official
+``openai`` client (and raw HTTP where a client would hide what is sent back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import http.client
+import pytest
+
+from conftest import hf_greedy
+from racer import Decoder, DEFAULT_MODEL
+from racer.engine import encode_prompt
+
+KEY = "test-key"
+MAX_BATCH, MAX_QUEUE = 4, 4
+QUESTIONS = ["Name three rivers in Europe.", "Write a haiku about the sea.", "What is 12 times 7?",
+             "Give me a Python function that reverses a string.", "Who wrote Hamlet?", "List four colours.",
+             "Explain what a CPU cache is in one sentence.", "Translate 'good morning' into French."]
+
+
+class Reply:
+    """An HTTP answer read with the standard library (the openai client hides statuses
+    and headers behind its exceptions)."""
+
+    def __init__(self, status: int, headers: dict, text: str) -> None:
+        self.status_code, self.headers, self.text = status, headers, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+def _connection(base: str, timeout: float = 120) -> http.client.HTTPConnection:
+    host, port = base.removeprefix("http://").split(":")
+    return http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+
+def get(base: str, path: str, timeout: float = 5) -> Reply:
+    connection = _connection(base, timeout)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode())
+    finally:
+        connection.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    command = [sys.executable, "-m", "racer.cli", "serve", "--port", str(port), "--threads", "1",
+               "--max-batch", str(MAX_BATCH), "--max-queue", str(MAX_QUEUE), *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"racer serve exited: {process.stdout.read()}")
+        try:
+            if get(base, "/health", timeout=1).status_code == 200:
+                return process, base
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise RuntimeError("racer serve did not start")
+
+
+@pytest.fixture(scope="module")
+def server(real):
+    process, base = start_server("--api-key", KEY)
+    yield base
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def alone(real):
+    """Each question's greedy answer from racer generate, in process (64 tokens)."""
+    model, tokenizer = real
+    decoder = Decoder(model, tokenizer, "racer")
+    out = {}
+    for question in QUESTIONS:
+        result = decoder.generate([{"role": "user", "content": question}], chat=True, max_new_tokens=64)
+        out[question] = result
+    return out
+
+
+def ask(client, question: str, **kwargs):
+    kwargs = {"temperature": 0, "max_tokens": 64, **kwargs}
+    return client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": question}],
+                                          **kwargs)
+
+
+def test_chat_answer_is_racer_generate_and_hf_generate(client, alone, real):
+    model, tokenizer = real
+    question = QUESTIONS[0]
+    answer = ask(client, question)
+    assert answer.choices[0].message.content == alone[question].text
+    ids = encode_prompt(tokenizer, [{"role": "user", "content": question}], chat=True)
+    assert answer.choices[0].message.content == tokenizer.decode(hf_greedy(model, ids, 64), skip_special_tokens=True)
+    assert answer.usage.prompt_tokens == len(ids) and answer.usage.completion_tokens == len(alone[question].tokens)
+    assert answer.choices[0].finish_reason == ("length" if len(alone[question].tokens) == 64 else "stop")
+
+
+def test_streamed_chat_is_the_same_text(client, alone):
+    question = QUESTIONS[1]
+    stream = ask(client, question, stream=True, stream_options={"include_usage": True})
+    pieces, finishes, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finishes.append(choice.finish_reason)
+    assert "".join(pieces) == alone[question].text
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert usage is not None and usage.completion_tokens == len(alone[question].tokens)
+
+
+def test_completion_of_raw_text(client, real):
+    model, tokenizer = real
+    prompt = "The three largest cities in France are"
+    answer = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, temperature=0, max_tokens=24)
+    want = Decoder(model, tokenizer, "racer").generate(prompt, chat=False, max_new_tokens=24)
+    assert answer.choices[0].text == want.text
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, temperature=0, max_tokens=24,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+
+
+def test_stop_strings_end_the_answer_before_them(client, alone):
+    question = QUESTIONS[5]
+    text = alone[question].text
+    stop = text.split()[2]  # a word the answer reaches
+    answer = ask(client, question, stop=[stop, "zzzz"])
+    assert answer.choices[0].message.content == text[: text.index(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+    streamed = ask(client, question, stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
+
+
+def test_max_tokens_ends_with_length(client):
+    answer = ask(client, QUESTIONS[3], max_tokens=5)
+    assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "length"
+
+
+def test_a_seed_repeats_a_sampled_answer(client):
+    kwargs = dict(model=DEFAULT_MODEL, messages=[{"role": "user", "content": QUESTIONS[4]}], temperature=1.0,
+                  top_p=0.9, seed=11, max_tokens=24)
+    first = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == first
+
+
+def test_eight_concurrent_clients_get_what_they_get_alone(client, alone):
+    answers: dict[str, str] = {}
+
+    def one(question: str, delay: float) -> None:
+        time.sleep(delay)  # some join while others decode
+        answers[question] = ask(client, question).choices[0].message.content
+
+    threads = [threading.Thread(target=one, args=(q, 0.4 * (i % 3))) for i, q in enumerate(QUESTIONS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert answers == {q: alone[q].text for q in QUESTIONS}
+
+
+def _post(server: str, path: str, body, key: str | None = KEY) -> Reply:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection = _connection(server)
+    try:
+        connection.request("POST", path, body=content, headers={**headers, "Content-Type": "application/json"})
+        response = connection.getresponse()
+        return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode())
+    finally:
+        connection.close()
+
+
+def _open_stream(server: str, body: dict, key: str | None = KEY) -> tuple[http.client.HTTPConnection, object]:
+    connection = _connection(server)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=headers)
+    response = connection.getresponse()
+    assert response.status == 200
+    return connection, response
+
+
+CHAT = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/chat/completions", b"{not json", 400, None, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, None),
+    ("/v1/chat/completions", {**CHAT, "temperature": "hot"}, 400, "temperature", None),
+    ("/v1/chat/completions", {**CHAT, "temperature": 3}, 400, "temperature", None),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p", None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", None),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
+    ("/v1/chat/completions", {**CHAT, "stop": 5}, 400, "stop", None),
+    ("/v1/chat/completions", {**CHAT, "seed": -1}, 400, "seed", None),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role",
+     None),
+    ("/v1/chat/completions", {**CHAT, "model": "gpt-9"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": DEFAULT_MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"model": DEFAULT_MODEL}, 400, "prompt", None),
+])
+def test_bad_requests_get_their_status_and_an_openai_error_body(server, path, body, status, param, code):
+    response = _post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code
+    assert _post(server, "/v1/chat/completions", CHAT).status_code == 200  # and the server goes on
+
+
+def test_a_missing_or_wrong_api_key_is_401(server):
+    for key in (None, "wrong"):
+        response = _post(server, "/v1/chat/completions", CHAT, key=key)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert get(server, "/health").status_code == 200  # health needs no key
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list()] == [DEFAULT_MODEL]
+    ask(client, QUESTIONS[2], max_tokens=8)
+    text = get(server, "/metrics").text
+    for name in ("racer_requests_total", "racer_completion_tokens_total", "racer_draft_tokens_accepted_total",
+                 "racer_batch_size", "racer_queue_length"):
+        assert name in text
+
+
+def _in_flight(server: str) -> int:
+    return get(server, "/health").json()["in_flight"]
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_row(server, client):
+    connection, response = _open_stream(server, {**CHAT, "max_tokens": 400, "stream": True})
+    for _ in range(3):
+        assert response.readline()
+    connection.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while _in_flight(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_flight(server) == 0
+    assert ask(client, QUESTIONS[2], max_tokens=8).choices[0].message.content
+
+
+def test_three_times_the_queue_at_once_refuses_the_excess_and_answers_the_rest(server):
+    count = 3 * MAX_QUEUE  # more than the batch and the queue hold
+    statuses: list[int] = []
+
+    def one(i: int) -> None:
+        body = {**CHAT, "max_tokens": 24, "messages": [{"role": "user", "content": QUESTIONS[i % 8]}]}
+        response = _post(server, "/v1/chat/completions", body)
+        statuses.append(response.status_code)
+        if response.status_code == 429:
+            assert response.headers.get("retry-after") and response.json()["error"]["type"] == "rate_limit_error"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert len(statuses) == count and set(statuses) <= {200, 429}
+    assert statuses.count(200) >= MAX_BATCH + MAX_QUEUE and statuses.count(429) > 0
+    assert _in_flight(server) == 0
+
+
+def test_sigterm_during_a_stream_finishes_or_ends_it_and_exits(real):
+    process, base = start_server("--grace", "2")
+    connection, response = _open_stream(base, {**CHAT, "max_tokens": 2000, "stream": True}, key=None)
+    received = [response.readline()]
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    try:
+        while line := response.readline():
+            received.append(line)
+    except (OSError, http.client.HTTPException):
+        pass  # the grace ran out and the server closed the stream
+    connection.close()
+    # uvicorn shuts down gracefully, then re-raises the signal: the exit status is SIGTERM's
+    assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    assert time.monotonic() - started < 30
+    log = process.stdout.read()
+    assert "racer serve: stopped" in log, log  # the shutdown ran (engine stopped), not a kill
+    assert received[0].startswith(b"data: ")

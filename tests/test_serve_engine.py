@@ -1,0 +1,105 @@
+"""The server's decoding thread and its protocol checks, without HTTP: a failing step
+fails its requests and the thread goes on; the queue bound; cancellation; stop."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from conftest import make_tiny_llama
+from racer import BatchDecoder, GenerationOptions
+from racer.serve import protocol
+from racer.serve.engine import Engine, QueueFull
+
+
+def sink():
+    box: "queue.Queue[tuple]" = queue.Queue()
+    return box, box.put
+
+
+def drain(box, timeout: float = 60) -> list[tuple]:
+    out = []
+    while True:
+        item = box.get(timeout=timeout)
+        out.append(item)
+        if item[0] != "tokens":
+            return out
+
+
+@pytest.fixture()
+def engine():
+    decoder = BatchDecoder(make_tiny_llama(), None, "pld", max_batch=2)
+    running = Engine(decoder, max_queue=1)
+    yield running
+    running.stop(grace=5)
+
+
+def test_requests_flow_through_the_thread(engine):
+    box, deliver = sink()
+    engine.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
+    items = drain(box)
+    assert items[-1][0] == "done" and len(items[-1][1].tokens) == 12
+    assert sum((value for what, value in items if what == "tokens"), []) == items[-1][1].tokens
+    deadline = time.monotonic() + 5
+    while engine.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.held == 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_thread_goes_on(engine, monkeypatch):
+    real_step = engine.decoder.step
+    calls = []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("a drafter broke")
+        return real_step()
+
+    monkeypatch.setattr(engine.decoder, "step", failing_step)
+    box, deliver = sink()
+    engine.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=40), deliver)
+    items = drain(box)
+    assert items[-1][0] == "error" and "a drafter broke" in str(items[-1][1])
+    box, deliver = sink()  # the next request is served by a fresh decoder
+    engine.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=6), deliver)
+    assert drain(box)[-1][0] == "done"
+
+
+def test_the_queue_bound_refuses_the_excess(engine):
+    held = []
+    for _ in range(engine.capacity):
+        box, deliver = sink()
+        held.append((box, engine.submit([5, 17, 42], GenerationOptions(max_new_tokens=200), deliver)))
+    with pytest.raises(QueueFull, match="in flight or queued"):
+        engine.submit([5, 17, 42], GenerationOptions(max_new_tokens=2), sink()[1])
+    for box, ticket in held:
+        engine.cancel(ticket)
+    for box, _ in held:
+        assert drain(box)[-1][0] in ("done", "cancelled")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}},
+     "stream_options"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "racer": "yes"}, "racer"),
+])
+def test_protocol_names_the_field_it_refuses(body, param):
+    with pytest.raises(protocol.ApiError) as caught:
+        protocol.parse_request("chat", body, "m")
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_protocol_takes_what_clients_send_by_default():
+    body = {"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                       {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "n": 1, "tools": None}
+    request = protocol.parse_request("chat", body, "m")
+    assert request.prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert request.temperature == 1.0 and request.max_tokens is None and not request.stream
+    assert protocol.cut_at_stop("one two three", ["two", "thr"]) == ("one ", True)
