@@ -9,6 +9,7 @@ a step that the public API does not expose.
     python -m racer.bench.measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
     python -m racer.bench.measure append --threads 2
     python -m racer.bench.measure selftest --threads 2
+    python -m racer.bench.measure batch --threads 2 --tokens 128
 """
 
 from __future__ import annotations
@@ -279,10 +280,40 @@ def selftest(threads: int, windows: tuple[int, ...] = (1024, 4096)) -> None:
               f"{time.perf_counter() - start:.1f} s")
 
 
+def batch(threads: int, tokens: int, concurrency: tuple[int, ...] = (1, 2, 4, 8),
+          methods: tuple[str, ...] = ("none", "pld", "racer")) -> None:
+    """In-process continuous batching: C requests at once (Spec-Bench and HumanEval
+    prompts), every method in turn at each C; completion tokens per second of the
+    whole batch, and the mean verified nodes per request per pass."""
+    torch.set_num_threads(threads)
+    model, tokenizer = racer.load_model()
+    questions = load_questions("spec_bench", limit=1) + load_questions("human_eval", limit=8)
+    single = racer.Decoder(model, tokenizer, "racer")
+    single.calibrate()
+    print(f"{tokens} new tokens a request, greedy, {threads} threads; C requests decoded together")
+    print(f"| C | method | tokens/s | vs {methods[0]} | nodes/request/pass | same tokens as {methods[0]} |")
+    print("|---|---|---|---|---|---|")
+    for c in concurrency:
+        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True)
+                   for q in questions[: 2 * c]]
+        rates, first = {}, None
+        for method in methods:
+            decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=c, cost=single.cost, check=False)
+            start = time.perf_counter()
+            results = decoder.generate_all(prompts, max_new_tokens=tokens)
+            seconds = time.perf_counter() - start
+            rates[method] = sum(len(r.tokens) for r in results) / seconds
+            nodes = [s.tree_size for r in results for s in r.steps]
+            first = first or [r.tokens for r in results]
+            same = sum(r.tokens == f for r, f in zip(results, first))
+            print(f"| {c} | {method} | {rates[method]:.1f} | {rates[method] / rates[methods[0]]:.2f}x | "
+                  f"{statistics.mean(nodes):.2f} | {same}/{len(results)} |", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence", "append",
-                                         "selftest"])
+                                         "selftest", "batch"])
     parser.add_argument("--dataset", default="human_eval")
     parser.add_argument("--limit", type=int, default=10)
     parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
@@ -301,6 +332,8 @@ if __name__ == "__main__":
         append(a.threads)
     elif a.what == "selftest":
         selftest(a.threads)
+    elif a.what == "batch":
+        batch(a.threads, a.tokens)
     elif a.what == "evidence":
         evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:

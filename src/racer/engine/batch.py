@@ -24,7 +24,10 @@ from typing import Any, Iterable
 
 import torch
 
-from racer.budget import CostCurve, CostModel, DraftBudget, WholeTree
+from dataclasses import replace
+
+from racer.budget import AcceptanceModel, CostCurve, CostModel
+from racer.budget.batch import BatchBudget
 from racer.drafting import Drafter, Method, parse_method
 from racer.drafting.tree import DraftTree, chain
 from racer.engine.decoder import top_ids
@@ -55,7 +58,7 @@ class _Request:
     ids: list[int]
     options: GenerationOptions
     drafter: Drafter
-    budget: Any
+    acceptance: AcceptanceModel | None  # capacity=auto: how often this request's drafts are accepted
     chooser: TokenChooser
     stopper: Stopper
     result: GenerationResult
@@ -98,6 +101,10 @@ class BatchDecoder:
             self._window_check = self.core.layout.shortest(self.core.max_positions)
         if isinstance(cost, CostModel):
             self.core.set_kernels(cost.kernel, cost.kernels)
+            # Refreshed by batched passes, which are not what the cached table measures:
+            # a copy of its own, never saved.
+            self.cost = replace(cost, seconds=list(cost.seconds), variance=list(cost.variance), path=None)
+        self.budget = BatchBudget(self.cost) if self.method.auto else None
         self.slots = SlotCache(model.config)
         self.core.cache = self.slots.cache
         self.end_ids = end_token_ids(model, tokenizer)
@@ -120,8 +127,8 @@ class BatchDecoder:
         method = parse_method(self.spec)
         drafter = method.drafter
         drafter.attach(self.tokenizer, set(self.end_ids))
-        budget = DraftBudget(self.cost) if method.auto else WholeTree()
-        request = _Request(self._next_id, ids, options, drafter, budget,
+        acceptance = AcceptanceModel() if method.auto else None
+        request = _Request(self._next_id, ids, options, drafter, acceptance,
                            TokenChooser(options, self.core.device),
                            Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens),
                            GenerationResult.empty(len(ids)), started=time.perf_counter())
@@ -214,14 +221,16 @@ class BatchDecoder:
                 self._window_check:
             self_test(self.model, past_windows=True)
             self._window_check = None
-        trees: list[DraftTree] = []
-        candidates = []
+        proposed: list[DraftTree] = []
         for request in self._active:
             room = self.core.max_positions - self.slots.state.lengths[request.row]
             size = min(self.method.draft_size, request.options.max_tree, room)
-            drafted = request.drafter.draft(request.result.tokens[-1], size)
-            candidates.append(len(drafted))
-            trees.append(request.budget.select(drafted, self.slots.state.lengths[request.row]))
+            proposed.append(request.drafter.draft(request.result.tokens[-1], size))
+        candidates = [len(tree) for tree in proposed]
+        if self.budget is not None:
+            trees = self.budget.select(proposed, [r.acceptance for r in self._active], self.slots.state.lengths)
+        else:
+            trees = proposed
         drafted_at = time.perf_counter()
         logits = self._forward(trees)
         chosen, topk = self._read(trees, logits)
@@ -236,10 +245,10 @@ class BatchDecoder:
                 following = tokens[path[-1]]
             if rows_topk is not None and self.needs.at == "last":
                 rows_topk = rows_topk[path[-1] : path[-1] + 1]
-            cached = self.slots.state.lengths[request.row]
             self.slots.compact(request.row, path)
             request.drafter.observe(tree, rows_topk, path)
-            request.budget.observe(tree, path, cached, verified_at - start)
+            if request.acceptance is not None:
+                request.acceptance.observe(tree, path)
             request.result.steps.append(StepStats(len(tree), len(path) - 1, drafted_at - start,
                                                   verified_at - drafted_at, proposed))
             chunk = request.stopper.cut(request.result.tokens, [tree.tokens[i] for i in path[1:]] + [following])
@@ -248,6 +257,9 @@ class BatchDecoder:
             if chunk.done or full:
                 ended.append((request, request.stopper.reason if chunk.done else "context"))
             updates.append(Update(request.id, chunk.tokens, chunk.done or full))
+        if self.budget is not None:
+            self.budget.observe(len(trees), max(len(tree) for tree in trees), max(self.slots.state.lengths),
+                                time.perf_counter() - start)
         for request, reason in ended:  # after the loop: releasing a row moves another
             self._finish(request, reason)
 
@@ -327,7 +339,6 @@ class BatchDecoder:
         request.result.wall_s = time.perf_counter() - request.started
         request.result.text = (self.tokenizer.decode(request.result.tokens, skip_special_tokens=True)
                                if self.tokenizer is not None else "")
-        request.budget.finish()
         self._finished[request.id] = request
 
 

@@ -100,15 +100,15 @@ class Engine:
                 except queue.Empty:
                     break
                 if ticket.cancelled:
-                    ticket.deliver(("cancelled", None))
                     self._done(ticket)
+                    ticket.deliver(("cancelled", None))
                     continue
                 try:
                     ticket.batch_id = decoder.submit(ticket.prompt, ticket.options)
                     self._tickets[ticket.batch_id] = ticket
                 except ValueError as err:  # the prompt does not fit, bad options
-                    ticket.deliver(("error", err))
                     self._done(ticket)
+                    ticket.deliver(("error", err))
             for batch_id, ticket in list(self._tickets.items()):
                 if ticket.cancelled:
                     decoder.cancel(batch_id)
@@ -130,18 +130,18 @@ class Engine:
                     continue
                 if update.tokens:
                     ticket.deliver(("tokens", update.tokens))
-                if update.done:
+                if update.done:  # counted out before the answer goes, so a client never sees it held
                     del self._tickets[update.request]
-                    ticket.deliver(("done", decoder.result(update.request)))
                     self._done(ticket)
+                    ticket.deliver(("done", decoder.result(update.request)))
             if self.on_step is not None:
                 self.on_step(decoder.active, decoder.waiting, updates)
 
     def _fail_all(self, err: Exception) -> None:
         """A step raised: every request in the batch fails, and the batch starts afresh."""
         for batch_id, ticket in list(self._tickets.items()):
-            ticket.deliver(("error", err))
             self._done(ticket)
+            ticket.deliver(("error", err))
         self._tickets.clear()
         self.decoder = self.decoder.fresh()
 
