@@ -19,6 +19,7 @@ longest row.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -279,7 +280,7 @@ class BatchDecoder:
         self.slots.begin_pass(nodes, device)
         mask = self._masks(trees, nodes)
         linear = core.kernels.using(core.kernel_of(rows * nodes))
-        attention = core.tree_attention if core.tree_attention is not None else _Nothing()
+        attention = core.tree_attention if core.tree_attention is not None else nullcontext()
         with linear, attention, indexed_windows(core.layout, mask) as model_mask:
             return core._forward(ids.to(device), positions.to(device), model_mask, nodes, batched=True)
 
@@ -340,11 +341,3 @@ class BatchDecoder:
         request.result.text = (self.tokenizer.decode(request.result.tokens, skip_special_tokens=True)
                                if self.tokenizer is not None else "")
         self._finished[request.id] = request
-
-
-class _Nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
