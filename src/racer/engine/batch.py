@@ -36,7 +36,7 @@ from racer.engine.host import to_host
 from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
-from racer.engine.selftest import self_test
+from racer.engine.selftest import WindowCheck, self_test
 from racer.engine.slots import SlotCache
 from racer.engine.stopping import Stopper, end_token_ids
 from racer.engine.verifier import TreeVerifier
@@ -96,10 +96,8 @@ class BatchDecoder:
         self.fast_paths = FastPaths.of(fast_paths).on(next(model.parameters()).device.type)
         if check:
             self_test(model)
-        self._window_check = None
         self.core = TreeVerifier(model, self.fast_paths)
-        if check:
-            self._window_check = self.core.layout.shortest(self.core.max_positions)
+        self._windows = WindowCheck(model, self.core.layout, self.core.max_positions, check)
         if isinstance(cost, CostModel):
             self.core.set_kernels(cost.kernel, cost.kernels)
             # Refreshed by batched passes, which are not what the cached table measures:
@@ -218,10 +216,7 @@ class BatchDecoder:
 
     def _verify(self, updates: list[Update]) -> None:
         start = time.perf_counter()
-        if self._window_check is not None and max(self.slots.state.lengths) + self.method.draft_size >= \
-                self._window_check:
-            self_test(self.model, past_windows=True)
-            self._window_check = None
+        self._windows.before(max(self.slots.state.lengths) + self.method.draft_size)
         proposed: list[DraftTree] = []
         for request in self._active:
             room = self.core.max_positions - self.slots.state.lengths[request.row]
@@ -295,12 +290,12 @@ class BatchDecoder:
             length, size = self.slots.state.lengths[row], len(tree)
             depths = torch.tensor(tree.depths, dtype=torch.long, device=core.device)
             ancestors = torch.from_numpy(tree.ancestor_mask()).to(core.device)
-            masks = core.layout.masks(length, depths, ancestors, core.dtype, max(tree.depths))
-            for key, mask in (masks.items() if isinstance(masks, dict) else [("", masks)]):
+            seen = core.layout.visible(length, depths, ancestors, max(tree.depths))
+            for key, allowed in (seen.items() if isinstance(seen, dict) else [("", seen)]):
                 if key not in padded:
                     padded[key] = torch.full((len(trees), 1, nodes, span), lowest, dtype=core.dtype,
                                              device=core.device)
-                padded[key][row, 0, :size, : length + size] = mask[0, 0]
+                padded[key][row, 0, :size, : length + size].masked_fill_(allowed, 0)
                 pads = torch.arange(size, nodes, device=core.device)
                 padded[key][row, 0, pads, length + pads] = 0
         return padded[""] if "" in padded else padded

@@ -21,7 +21,7 @@ from racer.engine.host import to_host
 from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
-from racer.engine.selftest import self_test
+from racer.engine.selftest import WindowCheck, self_test
 from racer.engine.stopping import Chunk, Stopper, end_token_ids
 from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import FastPaths
@@ -67,7 +67,7 @@ class Decoder:
             self_test(model)
         self.verifier = TreeVerifier(model, self.fast_paths)
         # The self-test past the model's windows waits for the first request that reaches one.
-        self._window_check = self.verifier.layout.shortest(self.verifier.max_positions) if check else None
+        self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
         self.end_ids = end_token_ids(model, tokenizer)
         self.drafter.attach(tokenizer, set(self.end_ids))
         self.cost: CostCurve | None = None
@@ -128,9 +128,7 @@ class Decoder:
         return request, request.stopper.cut(result.tokens, [root])
 
     def _step(self, request: _Request, size: int) -> tuple[StepStats, Chunk]:
-        if self._window_check is not None and self.verifier.cached + size >= self._window_check:
-            self_test(self.model, past_windows=True)
-            self._window_check = None
+        self._windows.before(self.verifier.cached + size)
         emitted = request.result.tokens
         start = time.perf_counter()
         candidates = self.drafter.draft(emitted[-1], size)

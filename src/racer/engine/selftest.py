@@ -11,7 +11,6 @@ check found, so that an error of windows fails it too.
 from __future__ import annotations
 
 import copy
-import inspect
 import weakref
 from typing import Any, Sequence
 
@@ -21,7 +20,7 @@ import torch
 from racer.drafting.tree import DraftTree, TreeBuilder
 from racer.engine.host import host_float
 from racer.engine.support import UnsupportedModelError, check_supported
-from racer.engine.verifier import TreeVerifier
+from racer.engine.verifier import TreeVerifier, cache_keyword
 
 __all__ = ["UnsupportedModelError", "check_supported", "random_tree", "self_test", "sequential_logits", "tolerance"]
 
@@ -49,8 +48,7 @@ def random_tree(rng: np.random.Generator, vocab: int, size: int, max_depth: int)
 
 
 def _plain_forward(model: Any, ids: Sequence[int], cache: Any) -> torch.Tensor:
-    params = inspect.signature(model.forward).parameters
-    keyword = "cache" if "cache" in params else "past_key_values"
+    keyword = cache_keyword(model)
     device = next(model.parameters()).device
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, **{keyword: cache})
@@ -78,6 +76,21 @@ def _branching_path(tree: DraftTree) -> list[int]:
     """The path to the node whose index in the pass is furthest from its depth."""
     node = max(range(len(tree)), key=lambda i: (i - tree.depths[i], tree.depths[i]))
     return tree.path_to(node)
+
+
+class WindowCheck:
+    """The self-test past a model's windows, run once, before the first pass whose keys
+    reach its shortest window (None: nothing to check, or checks switched off)."""
+
+    def __init__(self, model: Any, layout: Any, limit: int, check: bool) -> None:
+        self.model = model
+        self.reach = layout.shortest(limit) if check else None
+
+    def before(self, last_position: int) -> None:
+        """A pass is about to reach ``last_position``."""
+        if self.reach is not None and last_position >= self.reach:
+            self_test(self.model, past_windows=True)
+            self.reach = None
 
 
 def self_test(model: Any, seed: int = 0, past_windows: bool = False) -> float:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from racer.fastpaths.kvcache import holds_plain_kv
+
 _MIN_POSITIONS = 256
 
 
@@ -114,10 +116,8 @@ class SlotCache:
             raise RuntimeError("batched decoding needs per-layer KV caches: transformers >= 4.56")
         self.state = SlotState()
         self.cache = DynamicCache(config=config)
-        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
         for index, layer in enumerate(self.cache.layers):
-            if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+            if holds_plain_kv(layer):
                 self.cache.layers[index] = SlotLayer(self.state)
         self.slot_layers = [layer for layer in self.cache.layers if isinstance(layer, SlotLayer)]
 

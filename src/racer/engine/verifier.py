@@ -26,6 +26,12 @@ def _model_kernel(size: int) -> str:
     return "model"
 
 
+def cache_keyword(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` (transformers
+    5) or ``past_key_values`` (4.x)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class TreeVerifier:
     """Holds one request's KV cache. Invariant between steps: the cache holds every
     context token except the last emitted one, which is the next tree's root."""
@@ -36,7 +42,7 @@ class TreeVerifier:
         self.dtype = next(model.parameters()).dtype
         self.fast_paths = fast_paths.on(self.device.type)
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         if "logits_to_keep" in params:
             self._keep_kw: str | None = "logits_to_keep"
         elif "num_logits_to_keep" in params:

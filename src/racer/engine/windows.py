@@ -42,14 +42,12 @@ class Window:
         return self.kind != FULL and last >= self.size
 
     def allowed(self, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-        """(queries, keys) bool: which keys the window lets each query see (causality
-        and the tree's ancestry are the caller's)."""
+        """(queries, keys) bool: which keys a sliding or chunked window lets each query
+        see (causality and the tree's ancestry are the caller's; a full layer sees all)."""
         q, k = query_pos[:, None], key_pos[None, :]
         if self.kind == SLIDING:
             return k > q - self.size
-        if self.kind == CHUNKED:
-            return torch.div(k, self.size, rounding_mode="floor") == torch.div(q, self.size, rounding_mode="floor")
-        return torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        return torch.div(k, self.size, rounding_mode="floor") == torch.div(q, self.size, rounding_mode="floor")
 
 
 @dataclass(frozen=True)
@@ -72,12 +70,13 @@ class AttentionLayout:
         """The longest window shorter than ``limit`` positions (0 if none)."""
         return max((w.size for w in self.windows if w.kind != FULL and w.size < limit), default=0)
 
-    def masks(self, cached: int, depths: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype,
-              deepest: int) -> "torch.Tensor | dict[str, torch.Tensor]":
-        """The additive masks of a pass over tree nodes at depths ``depths`` (from a root
-        at position ``cached``) whose ancestry is ``ancestors`` (N, N bool, self included):
-        one (1, 1, N, cached + N) tensor, or one per layer type for a keyed model.
-        ``deepest``: the largest depth (known on the host, so nothing is read back)."""
+    def visible(self, cached: int, depths: torch.Tensor, ancestors: torch.Tensor,
+                deepest: int) -> "torch.Tensor | dict[str, torch.Tensor]":
+        """Which keys each node of a pass may attend to, (N, cached + N) bool, for tree
+        nodes at depths ``depths`` (from a root at position ``cached``) whose ancestry is
+        ``ancestors`` (N, N bool, self included): one matrix, or one per mask the model
+        takes (a dict, keyed as ``masks``). ``deepest``: the largest depth (known on the
+        host, so nothing is read back). Windows that leave no key out share one matrix."""
         n = depths.shape[0]
         query_pos = depths + cached
         key_pos = torch.cat([torch.arange(cached, device=depths.device), query_pos])
@@ -86,20 +85,33 @@ class AttentionLayout:
         last = cached + deepest
         built: dict[Window, torch.Tensor] = {}
 
-        def additive(window: Window) -> torch.Tensor:
+        def of(window: Window) -> torch.Tensor:
             if not window.reaches(last):
                 window = Window()
             if window not in built:
-                allowed = base if window.kind == FULL else base & window.allowed(query_pos, key_pos)
-                mask = torch.zeros((1, 1, n, cached + n), dtype=dtype, device=depths.device)
-                built[window] = mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+                built[window] = base if window.kind == FULL else base & window.allowed(query_pos, key_pos)
             return built[window]
 
         if self.keyed is not None:
-            return {kind: additive(window) for kind, window in self.keyed.items()}
+            return {kind: of(window) for kind, window in self.keyed.items()}
         if self.indexed:  # GPT-Neo: the model's mask is the global one; local modules get theirs
-            return {"shared": additive(Window()), **{m.key: additive(m.window) for m in self.indexed}}
-        return additive(self.windows[0])  # one mask for every layer: they share one window
+            return {"shared": of(Window()), **{m.key: of(m.window) for m in self.indexed}}
+        return of(self.windows[0])  # one mask for every layer: they share one window
+
+    def masks(self, cached: int, depths: torch.Tensor, ancestors: torch.Tensor, dtype: torch.dtype,
+              deepest: int) -> "torch.Tensor | dict[str, torch.Tensor]":
+        """``visible`` as the model takes it: additive (1, 1, N, cached + N) masks in
+        ``dtype``, 0 where a node may attend, the dtype's minimum elsewhere."""
+        seen = self.visible(cached, depths, ancestors, deepest)
+        made: dict[int, torch.Tensor] = {}
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            if id(allowed) not in made:
+                mask = torch.zeros((1, 1, *allowed.shape), dtype=dtype, device=allowed.device)
+                made[id(allowed)] = mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            return made[id(allowed)]
+
+        return {key: additive(a) for key, a in seen.items()} if isinstance(seen, dict) else additive(seen)
 
 
 class IndexedWindow:

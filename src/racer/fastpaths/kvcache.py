@@ -103,12 +103,21 @@ def growing_cache(config: Any, growing: bool = True) -> Any:
         return cache
     from transformers.cache_utils import DynamicLayer
 
+    full = GrowingLayer if growing and GrowingLayer is not None else DynamicLayer
+    for index, layer in enumerate(layers):
+        if holds_plain_kv(layer):
+            layers[index] = full()
+    return cache
+
+
+def holds_plain_kv(layer: Any) -> bool:
+    """Whether a cache layer is transformers' own full or sliding-window KV layer (not a
+    linear-attention, indexed or other subclass with state of its own): what racer
+    replaces by a layer that keeps every position."""
+    from transformers.cache_utils import DynamicLayer
+
     try:
         from transformers.cache_utils import DynamicSlidingWindowLayer
     except ImportError:
         DynamicSlidingWindowLayer = DynamicLayer
-    full = GrowingLayer if growing and GrowingLayer is not None else DynamicLayer
-    for index, layer in enumerate(layers):
-        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):  # not linear-attention or other subclasses
-            layers[index] = full()
-    return cache
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)

@@ -148,11 +148,8 @@ async def _collect(box: "asyncio.Queue[tuple]") -> tuple[list[int], Any]:
 
 
 def _stats(result: Any) -> dict:
-    steps = result.steps
-    return {"mat": round(result.mat, 3), "passes": result.passes,
-            "draft_tokens_verified": sum(s.tree_size - 1 for s in steps),
-            "draft_tokens_accepted": sum(s.accepted for s in steps),
-            "draft_tokens_proposed": sum(max(s.candidates - 1, 0) for s in steps), "stop_reason": result.stop_reason}
+    return {"mat": round(result.mat, 3), "passes": result.passes, **protocol.draft_counts(result.steps),
+            "stop_reason": result.stop_reason}
 
 
 def _sse(payload: dict) -> bytes:

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from racer import BatchDecoder, GenerationOptions
@@ -34,7 +34,6 @@ class Ticket:
     deliver: Callable[[tuple], None]  # called from the decoding thread
     batch_id: int | None = None
     cancelled: bool = False
-    queued_at: float = field(default_factory=time.perf_counter)
 
 
 class Engine:

@@ -7,6 +7,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from racer.serve.protocol import draft_counts
+
 
 class Metrics:
     """Requests by route and status, queue length and batch size, completion tokens,
@@ -38,9 +40,10 @@ class Metrics:
     def finished(self, result: Any, seconds: float) -> None:
         self.tokens.inc(len(result.tokens))
         self.passes.inc(result.passes)
-        self.proposed.inc(sum(max(s.candidates - 1, 0) for s in result.steps))
-        self.verified.inc(sum(s.tree_size - 1 for s in result.steps))
-        self.accepted.inc(sum(s.accepted for s in result.steps))
+        counts = draft_counts(result.steps)
+        self.proposed.inc(counts["draft_tokens_proposed"])
+        self.verified.inc(counts["draft_tokens_verified"])
+        self.accepted.inc(counts["draft_tokens_accepted"])
         self.latency.observe(seconds)
 
     def render(self) -> tuple[str, str]:

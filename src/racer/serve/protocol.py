@@ -213,13 +213,17 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(found)], True) if found else (text, False)
 
 
+def draft_counts(steps: list) -> dict:
+    """Draft tokens proposed, verified and accepted over a request's steps
+    (``racer.StepStats``)."""
+    return {"draft_tokens_proposed": sum(max(s.candidates - 1, 0) for s in steps),
+            "draft_tokens_verified": sum(s.tree_size - 1 for s in steps),
+            "draft_tokens_accepted": sum(s.accepted for s in steps)}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
-
-
-def racer_stats(stats: dict) -> dict:
-    return {"racer": stats}
 
 
 def response(request: Request, served: str, text: str, finish: str, used: dict, stats: dict | None) -> dict:
