@@ -102,7 +102,7 @@ def test_a_seed_repeats_a_sampled_request(tiny_model, spec):
 
 @pytest.mark.parametrize("kwargs, pattern", [
     ({"method": 3}, "method"), ({"max_batch": 0}, "max_batch"), ({"prefill_chunk": True}, "prefill_chunk"),
-    ({"method": "racer:capacity=auto"}, "cost"), ({"method": "nope"}, "method"),
+    ({"memory_limit": -1}, "limit"), ({"method": "nope"}, "method"),
 ])
 def test_bad_arguments_name_themselves(tiny_model, kwargs, pattern):
     arguments = {"method": "pld", **kwargs}

@@ -108,7 +108,22 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="max_tokens of a request that names none (default: 1024, or the rest of the context)")
     serve.add_argument("--grace", type=float, default=10.0,
                        help="seconds SIGTERM lets requests in flight finish (default: 10)")
+    serve.add_argument("--memory-scope", choices=("request", "server", "user"), default="server",
+                       help="whose requests share drafter memory: none, all (default), or those with the same "
+                            "'user' field (see docs/serving.md)")
     _add_model_args(serve)
+
+    load = sub.add_parser("bench-serve", help="load-test racer serve (one server per method) and, as the anchor, "
+                                              "transformers serve --continuous-batching, with C concurrent clients")
+    load.add_argument("--methods", default="none,pld,racer", help="racer serve --method of each server, the first "
+                                                                  "the baseline (default: none,pld,racer)")
+    load.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts (default: 1,2,4,8)")
+    load.add_argument("--max-tokens", type=_positive, default=256, help="max_tokens of every request (default: 256)")
+    load.add_argument("--per-client", type=_positive, default=2, help="requests each client sends in turn (default: 2)")
+    load.add_argument("--max-batch", type=_positive, default=8, help="the racer servers' --max-batch (default: 8)")
+    load.add_argument("--no-anchor", action="store_true", help="skip transformers serve")
+    load.add_argument("--out", default="bench-serve", help="folder for serve.json, the plot and server logs")
+    _add_model_args(load)
 
     store = sub.add_parser("datastore", help="REST datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
@@ -292,8 +307,26 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _setup_torch(args.threads)
     serve(args.model, method=args.method, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
           max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
-          default_max_tokens=args.default_max_tokens, grace=args.grace)
+          default_max_tokens=args.default_max_tokens, grace=args.grace, memory_scope=args.memory_scope)
     return 0
+
+
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from racer import parse_method
+    from racer.bench.serving import bench_serve
+
+    try:
+        concurrency = [_positive(c) for c in args.concurrency.split(",")]
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"--concurrency: {err}") from None
+    methods = [m for m in args.methods.split(",") if m]
+    for method in methods:
+        parse_method(method)  # a bad spec fails before any server starts
+    loads = bench_serve(methods, concurrency, args.max_tokens, args.per_client, not args.no_anchor, Path(args.out),
+                        args.model, args.dtype, args.threads, args.max_batch)
+    return 0 if loads and not any(load.errors for load in loads) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -310,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_cost(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "bench-serve":
+            return _cmd_bench_serve(args)
         return _cmd_generate(args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)

@@ -114,6 +114,13 @@ def _embedded_folder() -> Path:
     return target
 
 
+def model_folder(name_or_path: str | os.PathLike | None = None) -> str:
+    """Where ``load_model`` loads ``name_or_path`` from: the embedded model's converted
+    Hugging Face folder (converted on first use), else the name or path as given (for
+    other tools that serve the same weights, e.g. ``racer bench-serve``'s anchor)."""
+    return str(_embedded_folder()) if _is_default(name_or_path) else str(name_or_path)
+
+
 def _is_default(name_or_path: str | os.PathLike | None) -> bool:
     return name_or_path is None or str(name_or_path) == DEFAULT_MODEL
 

@@ -283,13 +283,17 @@ def selftest(threads: int, windows: tuple[int, ...] = (1024, 4096)) -> None:
 def batch(threads: int, tokens: int, concurrency: tuple[int, ...] = (1, 2, 4, 8),
           methods: tuple[str, ...] = ("none", "pld", "racer")) -> None:
     """In-process continuous batching: C requests at once (Spec-Bench and HumanEval
-    prompts), every method in turn at each C; completion tokens per second of the
+    prompts, two rounds of C), every method in turn at each C, drafter memory shared
+    across requests (the server's default scope); completion tokens per second of the
     whole batch, and the mean verified nodes per request per pass."""
     torch.set_num_threads(threads)
     model, tokenizer = racer.load_model()
     questions = load_questions("spec_bench", limit=1) + load_questions("human_eval", limit=8)
-    single = racer.Decoder(model, tokenizer, "racer")
-    single.calibrate()
+    tables = {}
+    for method in methods:  # calibrated once, at the largest batch: a table covers every smaller one
+        reference = racer.BatchDecoder(model, tokenizer, method, max_batch=max(concurrency), check=False)
+        reference.calibrate()
+        tables[method] = reference.cost
     print(f"{tokens} new tokens a request, greedy, {threads} threads; C requests decoded together")
     print(f"| C | method | tokens/s | vs {methods[0]} | nodes/request/pass | same tokens as {methods[0]} |")
     print("|---|---|---|---|---|---|")
@@ -298,9 +302,12 @@ def batch(threads: int, tokens: int, concurrency: tuple[int, ...] = (1, 2, 4, 8)
                    for q in questions[: 2 * c]]
         rates, first = {}, None
         for method in methods:
-            decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=c, cost=single.cost, check=False)
+            decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=c, cost=tables[method], check=False)
             start = time.perf_counter()
-            results = decoder.generate_all(prompts, max_new_tokens=tokens)
+            ids = [decoder.submit(prompt, max_new_tokens=tokens, scope="server") for prompt in prompts]
+            while decoder.busy:
+                decoder.step()
+            results = [decoder.result(i) for i in ids]
             seconds = time.perf_counter() - start
             rates[method] = sum(len(r.tokens) for r in results) / seconds
             nodes = [s.tree_size for r in results for s in r.steps]
@@ -319,6 +326,8 @@ if __name__ == "__main__":
     parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="none,pld,racer:capacity=16")
+    parser.add_argument("--batch-methods", default="none,pld,racer", help="batch: methods, the first the baseline")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="batch: requests decoded together")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     a = parser.parse_args()
@@ -333,7 +342,7 @@ if __name__ == "__main__":
     elif a.what == "selftest":
         selftest(a.threads)
     elif a.what == "batch":
-        batch(a.threads, a.tokens)
+        batch(a.threads, a.tokens, tuple(int(c) for c in a.concurrency.split(",")), tuple(a.batch_methods.split(",")))
     elif a.what == "evidence":
         evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:

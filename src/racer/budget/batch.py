@@ -1,14 +1,14 @@
 """The draft budget of a batch: how many nodes each request's tree keeps when every
 active request is verified in one pass. Pure Python (no torch).
 
-A batched pass pads every tree to the largest, so it costs what ``rows x nodes``
-rows cost, whichever request holds the nodes; giving one request more nodes than the
-others costs as much as giving them all as many. The budget therefore chooses one
-node cap N for the step: each request keeps its N most probable candidates (its best
-subtree of that size, ``racer.budget.selection``), and N maximises the whole batch's
-expected emitted tokens per second, ``sum_b E_b(N) / cost(B * N, cache)``. As the
-batch grows, a node costs B rows, so N shrinks, down to 1 (no drafts) when drafting
-no longer pays.
+A batched pass pads every tree to the largest, so it costs what ``rows`` trees of
+``nodes`` nodes cost, whichever request holds the nodes; giving one request more nodes
+than the others costs as much as giving them all as many. The budget therefore chooses
+one node cap N for the step: each request keeps its N most probable candidates (its
+best subtree of that size, ``racer.budget.selection``), and N maximises the whole
+batch's expected emitted tokens per second, ``sum_b E_b(N) / cost(B, N, cache)``, with
+the cost measured on batched passes (``racer.budget.batch_cost``). As the batch grows
+a node costs B rows, so N shrinks, down to 1 (no drafts) when drafting no longer pays.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import random
 from typing import Sequence
 
 from racer.budget.acceptance import AcceptanceModel
-from racer.budget.selection import CostCurve, path_probabilities
+from racer.budget.batch_cost import as_batch_cost
+from racer.budget.selection import path_probabilities
 from racer.drafting.tree import DraftTree
 
 
@@ -49,35 +50,69 @@ def best_cap(expected: Sequence[Sequence[float]], cost: "callable", largest: int
 
 
 class BatchBudget:
-    """Per step, the node cap and each request's kept subtree, from the step-cost curve
-    (a function of the rows in a pass and the cache length) and each request's own
-    acceptance model."""
+    """Per step, the node cap and each request's kept subtree, from the batch's
+    step-cost curve (``predict(rows, nodes, cached, drafting)``; a single-request curve
+    is read per node, ``batch_cost.PerNodeCurve``) and each request's own acceptance
+    model.
 
-    def __init__(self, cost: CostCurve, seed: int = 0) -> None:
-        self.cost = cost
+    Drafting itself costs time (proposing, choosing, the drafters' updates), which a
+    cap of 1 does not win back: when the best cap's rate, drafting included, is no
+    better than the batch's without drafting, the budget stops drafting for a while
+    (``drafting`` is False: the decoder verifies bare roots and calls no drafter) and
+    then drafts one step again to see whether drafts pay now, waiting twice as long
+    after each miss, up to ``longest_pause`` steps.
+
+    The cap is chosen on each acceptance model's mean rates (``explore`` draws them
+    from their posteriors instead, as the single-request budget does): the best of
+    many caps on a sum of B noisy draws is the one whose draws came out high, so a
+    batch would verify more than pays on average. The cost curve is still drawn, and
+    the probes after a pause keep every request's evidence coming."""
+
+    def __init__(self, cost: object, seed: int = 0, longest_pause: int = 32, explore: bool = False) -> None:
+        self.cost = as_batch_cost(cost)
+        self.explore = explore
         self.rng = random.Random(seed)
         self.last_cap = 1
+        self.longest_pause = longest_pause
+        self._pause = 0  # steps left without drafts
+        self._misses = 0  # probes in a row that found drafts not paying
+
+    @property
+    def drafting(self) -> bool:
+        """Whether this step drafts (advances the pause when it does not)."""
+        if self._pause > 0:
+            self._pause -= 1
+            return False
+        return True
+
+    def ask(self, size: int) -> int:
+        """How many candidates to ask each drafter for: room to grow past the last cap
+        without proposing (and ranking) many more nodes than a busy batch keeps."""
+        return min(size, 2 * self.last_cap + 8)
 
     def select(self, trees: Sequence[DraftTree], acceptances: Sequence[AcceptanceModel],
                cached: Sequence[int]) -> list[DraftTree]:
         if not trees:
             return []
-        ranked = [expected_by_size(tree, model.probabilities(tree, explore=True))
+        ranked = [expected_by_size(tree, model.probabilities(tree, explore=self.explore))
                   for tree, model in zip(trees, acceptances)]
         draw = getattr(self.cost, "draw", None)
         predict = draw(self.rng) if draw is not None else self.cost.predict
         rows = len(trees)
         longest = max(cached)
         largest = max(len(tree) for tree in trees)
-        cap, _ = best_cap([expected for _, expected in ranked], lambda n: predict(rows * n, longest), largest)
+        cap, rate = best_cap([expected for _, expected in ranked], lambda n: predict(rows, n, longest), largest)
+        plain = rows / predict(rows, 1, longest, drafting=False)
+        if rate <= plain:
+            self._misses += 1
+            self._pause = min(2 ** (self._misses - 1), self.longest_pause)
+        else:
+            self._misses = 0
         self.last_cap = cap
         return [tree.subtree(sorted([0] + order[: cap - 1])) for tree, (order, _) in zip(trees, ranked)]
 
-    def observe(self, rows: int, nodes: int, cached: int, seconds: float) -> None:
-        """A pass of ``rows`` trees padded to ``nodes`` nodes took ``seconds``."""
-        self.cost.refresh(rows * nodes, cached, seconds)
-
-    def finish(self) -> None:
-        save = getattr(self.cost, "save", None)
-        if save is not None:
-            save()
+    def observe(self, rows: int, nodes: int, cached: int, pass_seconds: float, step_seconds: float,
+                drafting_seconds: float | None = None) -> None:
+        """A step of ``rows`` trees padded to ``nodes`` nodes took ``step_seconds``, its
+        pass ``pass_seconds`` of them, drafting ``drafting_seconds`` (None: no drafts)."""
+        self.cost.refresh(rows, nodes, cached, pass_seconds, step_seconds, drafting_seconds)

@@ -191,3 +191,83 @@ def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = F
         measured.path = str(path)
         measured.save()
     return measured
+
+
+def measure_batch(time_pass: Callable[[int, int, int], float], rows: Sequence[int], length: int = 32,
+                  grown: int = 192, repeats: int = 3, seed: int = 0) -> "BatchCostModel":
+    """Time batched passes: ``time_pass(rows, nodes, cached)`` is one pass of ``rows``
+    random trees of ``nodes`` nodes on caches of ``cached`` tokens, in seconds. Every
+    (rows, nodes) pair at ``length``, and each row count's smallest and largest size at
+    ``length + grown`` for the growth terms, visited in shuffled rounds, best of
+    ``repeats`` (as ``measure``)."""
+    import random
+
+    from racer.budget.batch_cost import BatchCostModel, nodes_to_measure
+
+    rng = random.Random(seed)
+    sizes = {r: nodes_to_measure(r) for r in rows}
+    for r in rows:  # warm-up: first-call allocations of each row count
+        time_pass(r, sizes[r][-1], length + grown)
+    best: dict[tuple[int, int, int], float] = {}
+    for r in rows:
+        for n in sizes[r]:
+            best[r, n, length] = float("inf")
+        if grown > 0 and len(sizes[r]) > 1:
+            best[r, sizes[r][0], length + grown] = best[r, sizes[r][-1], length + grown] = float("inf")
+    pairs = list(best)
+    for _ in range(repeats):
+        rng.shuffle(pairs)
+        for key in pairs:
+            best[key] = min(best[key], time_pass(*key))
+    curves = []
+    for r in rows:
+        table = CostModel(list(sizes[r]), [best[r, n, length] for n in sizes[r]], length)
+        if (r, sizes[r][0], length + grown) in best:
+            small, large = sizes[r][0], sizes[r][-1]
+            g_small = (best[r, small, length + grown] - best[r, small, length]) / grown
+            g_large = (best[r, large, length + grown] - best[r, large, length]) / grown
+            table.per_position_node = max((g_large - g_small) / (large - small), 0.0)
+            table.per_position = max(g_small - table.per_position_node * small, 0.0)
+        curves.append(table)
+    return BatchCostModel(list(rows), curves)
+
+
+def batch_cost_file(model: Any, rows: Sequence[int], kernels: Sequence[str],
+                    fast_paths: FastPaths = FastPaths()) -> Path:
+    from racer.loading import cache_dir
+
+    key = json.dumps({**hardware_key(model, fast_paths), "rows": list(rows), "kernels": list(kernels)},
+                     sort_keys=True, default=str)
+    return cache_dir() / "costs" / ("batch-" + hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
+
+
+def load_or_measure_batch(model: Any, rows: Sequence[int], single: CostModel,
+                          time_pass: Callable[[int, int, int], float], refresh: bool = False,
+                          fast_paths: FastPaths = FastPaths(),
+                          announce: Callable[[str], None] | None = announce_on_stderr) -> "BatchCostModel":
+    """The batched-pass cost table cached on disk for this model, hardware, row counts
+    and linear kernels, measured with ``time_pass`` if absent or if ``refresh`` (RACER_COST_CACHE as
+    ``load_or_measure``). ``single``: the single-request table, whose kernel for each
+    pass size the batch verifies with (and the table is timed with)."""
+    from racer.budget.batch_cost import BatchCostModel
+
+    use_disk = disk_cache_enabled()
+    path = batch_cost_file(model, rows, [*map(str, single.sizes), *single.kernels], fast_paths)
+    if use_disk and not refresh and path.exists():
+        try:
+            table = BatchCostModel.from_json(json.loads(path.read_text(encoding="utf-8")))
+            if table.rows == list(rows):
+                return table
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+            pass
+    if announce is not None:
+        where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
+        announce(f"timing batched passes of 1-{rows[-1]} requests once for this model and hardware{where}")
+    measured = measure_batch(time_pass, rows)
+    measured.kernel_table = CostModel(list(single.sizes), list(single.seconds), single.length,
+                                      kernels=list(single.kernels))
+    if use_disk:
+        measured.path = str(path)
+        measured.save()
+        measured.path = None  # the table is kept as measured; refreshes live with the decoder
+    return measured

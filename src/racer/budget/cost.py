@@ -111,7 +111,7 @@ class CostModel:
         i, j, w = self._bracket(n)
         return self.kernels[j] if w > 0.5 else self.kernels[i]
 
-    def refresh(self, nodes: int, cached: int, seconds: float) -> None:
+    def refresh(self, nodes: int, cached: int, seconds: float) -> float:
         """Pull the table toward an observed step time, in two parts: the scale of the
         whole curve follows fast (the machine got busier or quieter: every size moves,
         so sizes seldom verified do not go stale and misrank against fresh ones), and
@@ -119,13 +119,11 @@ class CostModel:
         Kalman step: a size still uncertain moves most of the way at once, one seen
         many times moves little on one noisy step. Outliers (a page fault, the other
         core busy) are clipped to half the prediction, so one slow step cannot move
-        it far."""
+        it far. Returns the scale applied to the whole curve."""
         predicted = self.predict(nodes, cached)
         error = max(-0.5 * predicted, min(0.5 * predicted, seconds - predicted))
         factor = 1.0 + self.drift * error / predicted
-        self.seconds = [s * factor for s in self.seconds]
-        self.per_position *= factor
-        self.per_position_node *= factor
+        self.scale(factor)
         residual = (predicted + error) / (predicted * factor) - 1.0  # relative, after the scale
         # A size long unseen grows at most twice as uncertain as a fresh calibration (the
         # curve's shape itself changes with the machine's state): its draws explore it
@@ -140,6 +138,13 @@ class CostModel:
             gain = h * self.variance[k] / spread
             self.seconds[k] = max(self.seconds[k] * (1.0 + gain * residual), 1e-6)
             self.variance[k] *= 1.0 - gain * h
+        return factor
+
+    def scale(self, factor: float) -> None:
+        """Every time times ``factor`` (the machine got slower or faster)."""
+        self.seconds = [s * factor for s in self.seconds]
+        self.per_position *= factor
+        self.per_position_node *= factor
 
     def to_json(self) -> dict:
         data = asdict(self)

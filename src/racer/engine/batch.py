@@ -18,25 +18,28 @@ longest row.
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
+import numpy as np
 import torch
 
-from dataclasses import replace
-
-from racer.budget import AcceptanceModel, CostCurve, CostModel
+from racer.budget import AcceptanceModel, CostModel
 from racer.budget.batch import BatchBudget
+from racer.budget.batch_cost import BatchCostModel, rows_to_measure
+from racer.budget.calibration import announce_on_stderr, load_or_measure, load_or_measure_batch
 from racer.drafting import Drafter, Method, parse_method
 from racer.drafting.tree import DraftTree, chain
 from racer.engine.decoder import top_ids
-from racer.engine.host import to_host
+from racer.engine.host import synchronize, to_host
+from racer.engine.memory import DrafterPool
 from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
-from racer.engine.selftest import WindowCheck, self_test
+from racer.engine.selftest import WindowCheck, random_tree, self_test
 from racer.engine.slots import SlotCache
 from racer.engine.stopping import Stopper, end_token_ids
 from racer.engine.verifier import TreeVerifier
@@ -58,7 +61,7 @@ class _Request:
     id: int
     ids: list[int]
     options: GenerationOptions
-    drafter: Drafter
+    drafter: Drafter | None  # None once finished (handed back to its scope)
     acceptance: AcceptanceModel | None  # capacity=auto: how often this request's drafts are accepted
     chooser: TokenChooser
     stopper: Stopper
@@ -68,21 +71,26 @@ class _Request:
     logits: list[torch.Tensor] = field(default_factory=list)  # prefill logits the drafter needs
     row: int | None = None
     cancelled: bool = False
+    scope: Hashable | None = None
     started: float = 0.0
 
 
 class BatchDecoder:
     """Decodes many requests at once with one model and one draft method.
 
-    ``method``: a spec such as ``"racer:capacity=16"`` (each request gets its own
-    drafter built from it); ``max_batch``: requests verified together (the others wait,
-    in order); ``prefill_chunk``: the most prompt tokens prefilled in one step; ``cost``:
-    the step-cost curve a ``capacity=auto`` method's budget uses; ``check``: self-test
-    tree verification on this model first."""
+    ``method``: a spec such as ``"racer:capacity=16"`` (each request gets a drafter
+    built from it, or one a finished request of its memory scope handed back, see
+    ``submit``); ``max_batch``: requests verified together (the others wait, in
+    order); ``prefill_chunk``: the most prompt tokens prefilled in one step; ``cost``:
+    the step-cost curve: a ``BatchCostModel`` measured on batched passes, or a
+    single-request ``CostModel`` (its kernels, and its curve read per node as a rough
+    prior); None: ``calibrate`` measures (or reads) both on the first step;
+    ``memory_limit``: idle drafters kept for later requests of their scope (default
+    ``4 x max_batch``); ``check``: self-test tree verification on this model first."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str = "racer", *, max_batch: int = 8,
-                 prefill_chunk: int = 512, cost: CostCurve | None = None, check: bool = True,
-                 fast_paths: bool | FastPaths = True) -> None:
+                 prefill_chunk: int = 512, cost: Any = None, check: bool = True,
+                 fast_paths: bool | FastPaths = True, memory_limit: int | None = None) -> None:
         if not isinstance(method, str):
             raise ValueError(f"method: expected a method spec such as 'racer:capacity=16', got {type(method).__name__}")
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
@@ -90,20 +98,19 @@ class BatchDecoder:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         self.model, self.tokenizer, self.spec = model, tokenizer, method
         self.method: Method = parse_method(method)  # checks the spec once
-        if self.method.auto and cost is None:
-            raise ValueError("cost: a capacity=auto method needs a step-cost curve (e.g. Decoder.calibrate's)")
-        self.max_batch, self.prefill_chunk, self.cost = max_batch, prefill_chunk, cost
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.fast_paths = FastPaths.of(fast_paths).on(next(model.parameters()).device.type)
         if check:
             self_test(model)
         self.core = TreeVerifier(model, self.fast_paths)
         self._windows = WindowCheck(model, self.core.layout, self.core.max_positions, check)
-        if isinstance(cost, CostModel):
-            self.core.set_kernels(cost.kernel, cost.kernels)
-            # Refreshed by batched passes, which are not what the cached table measures:
-            # a copy of its own, never saved.
-            self.cost = replace(cost, seconds=list(cost.seconds), variance=list(cost.variance), path=None)
-        self.budget = BatchBudget(self.cost) if self.method.auto else None
+        self.pool: DrafterPool = DrafterPool(4 * max_batch if memory_limit is None else memory_limit)
+        self.cost: Any = None
+        self.budget: BatchBudget | None = None
+        self._calibrated = False
+        self._scratch: SlotCache | None = None  # calibration's caches
+        if cost is not None:
+            self._use_cost(cost)
         self.slots = SlotCache(model.config)
         self.core.cache = self.slots.cache
         self.end_ids = end_token_ids(model, tokenizer)
@@ -114,26 +121,96 @@ class BatchDecoder:
         self._next_id = 0
 
     def fresh(self) -> "BatchDecoder":
-        """A new, empty decoder with the same model and settings (no self-test again)."""
-        return BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
-                            prefill_chunk=self.prefill_chunk, cost=self.cost, check=False, fast_paths=self.fast_paths)
+        """A new, empty decoder with the same model, settings, cost curve and idle
+        drafters (no self-test again)."""
+        decoder = BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
+                               prefill_chunk=self.prefill_chunk, cost=self.cost, check=False,
+                               fast_paths=self.fast_paths, memory_limit=self.pool.limit)
+        decoder.pool = self.pool
+        return decoder
+
+    # -- set-up ---------------------------------------------------------------------
+    def calibrate(self, refresh: bool = False,
+                  announce: Callable[[str], None] | None = announce_on_stderr) -> None:
+        """Read from the disk cache, or measure (``announce`` is told first), the
+        single-request table for each pass size's linear kernel and, for a
+        ``capacity=auto`` method, the cost of batched passes of 1..``max_batch`` rows.
+        The first ``step`` calls this if no cost was given."""
+        if self._calibrated and not refresh:
+            return
+        single = load_or_measure(self.model, refresh, self.fast_paths, announce)
+        self.core.set_kernels(single.kernel, single.kernels)
+        if not self.method.auto:
+            self._use_cost(single)
+            return
+        try:
+            table = load_or_measure_batch(self.model, rows_to_measure(self.max_batch), single, self._time_pass,
+                                          refresh, self.fast_paths, announce)
+        finally:
+            self._scratch = None
+        self._use_cost(table)
+
+    def _use_cost(self, cost: Any) -> None:
+        kernels = cost.kernel_table if isinstance(cost, BatchCostModel) else cost
+        if isinstance(kernels, CostModel):
+            self.core.set_kernels(kernels.kernel, kernels.kernels)
+        if isinstance(cost, (CostModel, BatchCostModel)):
+            # Refreshed by this decoder's steps: a copy of its own, never saved.
+            cost = copy.deepcopy(cost)
+            cost.path = None
+        self.cost = cost
+        self.budget = BatchBudget(cost) if self.method.auto else None
+        self._calibrated = True
+
+    def _time_pass(self, rows: int, nodes: int, cached: int) -> float:
+        """Seconds for one batched pass of ``rows`` random trees of ``nodes`` nodes on
+        caches of ``cached`` tokens, read as a step reads (for ``calibrate``)."""
+        scratch = self._scratch
+        if scratch is None or scratch.rows < self.max_batch or scratch.state.lengths[0] < cached:
+            verifier = TreeVerifier(self.model, self.fast_paths)
+            rng = np.random.default_rng(0)
+            verifier.prefill([int(t) for t in rng.integers(_vocab(self.model), size=cached)])
+            scratch = self._scratch = SlotCache(self.model.config)
+            for _ in range(self.max_batch):
+                scratch.admit(verifier.cache, cached)
+        rng = np.random.default_rng(rows * 1000 + nodes)
+        trees = [random_tree(rng, _vocab(self.model), nodes, max(1, min(nodes - 1, 8))) for _ in range(rows)]
+        own, full = self.slots, scratch.state.lengths
+        scratch.state.lengths = [cached] * rows
+        self.slots, self.core.cache = scratch, scratch.cache
+        try:
+            synchronize(self.core.device)
+            start = time.perf_counter()
+            logits = self._forward(trees)
+            to_host(logits.argmax(dim=-1))
+            return time.perf_counter() - start
+        finally:
+            self.slots, self.core.cache = own, own.cache
+            scratch.state.lengths = full
 
     # -- requests -------------------------------------------------------------------
-    def submit(self, prompt: Any, options: GenerationOptions | None = None, **fields: Any) -> int:
-        """Queue a request (text, chat messages or token ids); returns its id."""
+    def submit(self, prompt: Any, options: GenerationOptions | None = None, *, scope: Hashable | None = None,
+               **fields: Any) -> int:
+        """Queue a request (text, chat messages or token ids); returns its id.
+
+        ``scope``: requests of one scope share drafter memory: this request drafts with
+        the drafter a finished request of the scope handed back last (if one is idle)
+        and hands it back when it ends; None: a drafter of its own, dropped after."""
         options = GenerationOptions.of(options, fields)
         ids = request_ids(self.tokenizer, prompt, options, self.core.max_positions)
-        method = parse_method(self.spec)
-        drafter = method.drafter
-        drafter.attach(self.tokenizer, set(self.end_ids))
-        acceptance = AcceptanceModel() if method.auto else None
+        drafter, acceptance = self.pool.take(scope, self._new_drafter)
         request = _Request(self._next_id, ids, options, drafter, acceptance,
                            TokenChooser(options, self.core.device),
                            Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens),
-                           GenerationResult.empty(len(ids)), started=time.perf_counter())
+                           GenerationResult.empty(len(ids)), scope=scope, started=time.perf_counter())
         self._next_id += 1
         self._waiting.append(request)
         return request.id
+
+    def _new_drafter(self) -> tuple[Drafter, AcceptanceModel | None]:
+        method = parse_method(self.spec)
+        method.drafter.attach(self.tokenizer, set(self.end_ids))
+        return method.drafter, AcceptanceModel() if method.auto else None
 
     def cancel(self, request: int) -> None:
         """End a request at the next step (a client that went away)."""
@@ -171,6 +248,8 @@ class BatchDecoder:
     def step(self) -> list[Update]:
         """One prefill chunk for the first waiting request (if any), then one batched
         verification pass over the active ones. Returns what each request emitted."""
+        if not self._calibrated:
+            self.calibrate()
         updates: list[Update] = []
         for request in [r for r in self._waiting + self._active if r.cancelled]:
             if request in self._waiting:
@@ -217,20 +296,27 @@ class BatchDecoder:
     def _verify(self, updates: list[Update]) -> None:
         start = time.perf_counter()
         self._windows.before(max(self.slots.state.lengths) + self.method.draft_size)
+        budget = self.budget
+        drafting = budget is None or budget.drafting
         proposed: list[DraftTree] = []
         for request in self._active:
+            root = request.result.tokens[-1]
             room = self.core.max_positions - self.slots.state.lengths[request.row]
             size = min(self.method.draft_size, request.options.max_tree, room)
-            proposed.append(request.drafter.draft(request.result.tokens[-1], size))
+            if budget is not None:
+                size = budget.ask(size)
+            proposed.append(request.drafter.draft(root, size) if drafting else DraftTree.single(root))
         candidates = [len(tree) for tree in proposed]
-        if self.budget is not None:
-            trees = self.budget.select(proposed, [r.acceptance for r in self._active], self.slots.state.lengths)
+        if budget is not None and drafting:
+            trees = budget.select(proposed, [r.acceptance for r in self._active], self.slots.state.lengths)
         else:
             trees = proposed
+        longest = max(self.slots.state.lengths)
         drafted_at = time.perf_counter()
         logits = self._forward(trees)
         chosen, topk = self._read(trees, logits)
         verified_at = time.perf_counter()
+        observing = 0.0
         ended = []
         for request, tree, tokens, rows_topk, proposed in zip(list(self._active), trees, chosen, topk, candidates):
             if tokens is None:  # a sampling walk on the CPU (the top-k came with the read)
@@ -242,9 +328,11 @@ class BatchDecoder:
             if rows_topk is not None and self.needs.at == "last":
                 rows_topk = rows_topk[path[-1] : path[-1] + 1]
             self.slots.compact(request.row, path)
+            observed_from = time.perf_counter()
             request.drafter.observe(tree, rows_topk, path)
-            if request.acceptance is not None:
+            if request.acceptance is not None and drafting:
                 request.acceptance.observe(tree, path)
+            observing += time.perf_counter() - observed_from
             request.result.steps.append(StepStats(len(tree), len(path) - 1, drafted_at - start,
                                                   verified_at - drafted_at, proposed))
             chunk = request.stopper.cut(request.result.tokens, [tree.tokens[i] for i in path[1:]] + [following])
@@ -253,9 +341,9 @@ class BatchDecoder:
             if chunk.done or full:
                 ended.append((request, request.stopper.reason if chunk.done else "context"))
             updates.append(Update(request.id, chunk.tokens, chunk.done or full))
-        if self.budget is not None:
-            self.budget.observe(len(trees), max(len(tree) for tree in trees), max(self.slots.state.lengths),
-                                time.perf_counter() - start)
+        if budget is not None:
+            budget.observe(len(trees), max(len(tree) for tree in trees), longest, verified_at - drafted_at,
+                           time.perf_counter() - start, (drafted_at - start) + observing if drafting else None)
         for request, reason in ended:  # after the loop: releasing a row moves another
             self._finish(request, reason)
 
@@ -335,4 +423,12 @@ class BatchDecoder:
         request.result.wall_s = time.perf_counter() - request.started
         request.result.text = (self.tokenizer.decode(request.result.tokens, skip_special_tokens=True)
                                if self.tokenizer is not None else "")
+        self.pool.give_back(request.scope, (request.drafter, request.acceptance))
+        request.drafter = request.acceptance = None
         self._finished[request.id] = request
+
+
+def _vocab(model: Any) -> int:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)

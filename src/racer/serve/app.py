@@ -22,13 +22,28 @@ from racer.serve.metrics import Metrics
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
 
+MEMORY_SCOPES = ("request", "server", "user")
+
+
 class Served:
-    """What the routes need: the engine, the model's name and context, the tokenizer."""
+    """What the routes need: the engine, the model's name and context, the tokenizer,
+    and whose requests share drafter memory (``memory_scope``: ``request`` none,
+    ``server`` all, ``user`` those with the same ``user`` field; without one, none)."""
 
     def __init__(self, engine: Engine, name: str, tokenizer: Any, context: int, api_key: str | None,
-                 default_max_tokens: int, metrics: Metrics) -> None:
+                 default_max_tokens: int, metrics: Metrics, memory_scope: str = "server") -> None:
+        if memory_scope not in MEMORY_SCOPES:
+            raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
         self.engine, self.name, self.tokenizer, self.context = engine, name, tokenizer, context
         self.api_key, self.default_max_tokens, self.metrics = api_key, default_max_tokens, metrics
+        self.memory_scope = memory_scope
+
+    def scope(self, request: protocol.Request) -> Any:
+        if self.memory_scope == "server":
+            return "server"
+        if self.memory_scope == "user" and request.user:
+            return ("user", request.user)
+        return None
 
 
 def error_response(err: protocol.ApiError) -> JSONResponse:
@@ -111,7 +126,7 @@ async def complete(served: Served, kind: str, raw: bytes) -> Any:
     options = _options(served, request, len(ids))
     box, deliver = asyncio_sink(asyncio.get_running_loop())
     try:
-        ticket = served.engine.submit(ids, options, deliver)
+        ticket = served.engine.submit(ids, options, deliver, served.scope(request))
     except QueueFull as err:
         raise protocol.ApiError(429, f"the server is busy: {err}; retry shortly", code="rate_limit_exceeded",
                                 kind="rate_limit_error", headers={"Retry-After": "1"}) from err

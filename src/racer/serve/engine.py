@@ -32,6 +32,7 @@ class Ticket:
     options: GenerationOptions
     prompt: Any
     deliver: Callable[[tuple], None]  # called from the decoding thread
+    scope: Any = None  # whose drafter memory it shares (``BatchDecoder.submit``)
     batch_id: int | None = None
     cancelled: bool = False
 
@@ -57,14 +58,15 @@ class Engine:
     def held(self) -> int:
         return self._held
 
-    def submit(self, prompt: Any, options: GenerationOptions, deliver: Callable[[tuple], None]) -> Ticket:
+    def submit(self, prompt: Any, options: GenerationOptions, deliver: Callable[[tuple], None],
+               scope: Any = None) -> Ticket:
         with self._lock:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if self._held >= self.capacity:
                 raise QueueFull(f"{self._held} requests are in flight or queued (the most this server holds)")
             self._held += 1
-        ticket = Ticket(options, prompt, deliver)
+        ticket = Ticket(options, prompt, deliver, scope)
         self._inbox.put(ticket)
         self._wake.set()
         return ticket
@@ -103,7 +105,7 @@ class Engine:
                     ticket.deliver(("cancelled", None))
                     continue
                 try:
-                    ticket.batch_id = decoder.submit(ticket.prompt, ticket.options)
+                    ticket.batch_id = decoder.submit(ticket.prompt, ticket.options, scope=ticket.scope)
                     self._tickets[ticket.batch_id] = ticket
                 except ValueError as err:  # the prompt does not fit, bad options
                     self._done(ticket)

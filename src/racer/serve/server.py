@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 import racer
-from racer.serve.app import Served, create_app
+from racer.serve.app import MEMORY_SCOPES, Served, create_app
 from racer.serve.engine import Engine
 from racer.serve.metrics import Metrics
 
@@ -17,7 +17,7 @@ from racer.serve.metrics import Metrics
 def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = "float32", device: str | None = None,
           host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 32,
           api_key: str | None = None, default_max_tokens: int = 1024, prefill_chunk: int = 512,
-          grace: float = 10.0, announce: Callable[[str], None] | None = None) -> None:
+          grace: float = 10.0, memory_scope: str = "server", announce: Callable[[str], None] | None = None) -> None:
     """Serve ``model_name`` (default: the embedded model) with ``method`` until stopped."""
     import uvicorn
 
@@ -27,23 +27,23 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
             raise ValueError(f"{name}: expected a {'non-negative' if name == 'max_queue' else 'positive'} integer, "
                              f"got {value!r}")
+    if memory_scope not in MEMORY_SCOPES:
+        raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
     racer.parse_method(method)  # a bad spec fails before the model loads
     model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device)
-    single = racer.Decoder(model, tokenizer, method)
-    if single.method.drafts:
-        single.calibrate(announce=say)
-    decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                 cost=single.cost, check=False)
+    decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    decoder.calibrate(announce=say)
     metrics = Metrics()
     engine = Engine(decoder, max_queue, on_step=metrics.step)
     name = model_name or racer.DEFAULT_MODEL
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics)
+    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope)
     app = create_app(served)
 
     @asynccontextmanager
     async def lifespan(_: Any) -> Any:
-        say(f"serving {name} with {method} on http://{host}:{port} (max batch {max_batch}, queue {max_queue})")
+        say(f"serving {name} with {method} on http://{host}:{port} (max batch {max_batch}, queue {max_queue}, "
+            f"drafter memory per {memory_scope})")
         yield
         engine.stop(grace=0.0)  # uvicorn has already waited out the grace for open streams
         say("stopped")

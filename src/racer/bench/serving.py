@@ -1,0 +1,304 @@
+"""``racer bench-serve``: a load generator for OpenAI-compatible servers.
+
+C concurrent clients each send their share of the benchmark prompts (Spec-Bench and
+HumanEval, chat), one after another, as streamed chat completions, greedy. Reported per
+server and concurrency: completion tokens per second of the whole load, time to first
+token and request latency (p50, p99). Each method runs in a ``racer serve`` process of
+its own and, as the outside anchor, ``transformers serve --continuous-batching`` on
+the same model folder; every server is started before the first load and the loads are
+interleaved (at each C, every server in turn), so a machine that slows down slows all
+of them alike. Talks to the servers over HTTP only (the standard library's client).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+
+@dataclass
+class Outcome:
+    """One request as a client saw it."""
+
+    ttft: float  # seconds to the first content
+    latency: float  # seconds to the end of the answer
+    tokens: int  # completion tokens (the server's usage, else counted from the text)
+    text: str
+    error: str | None = None
+
+
+@dataclass
+class Load:
+    """One server under C clients."""
+
+    server: str
+    concurrency: int
+    seconds: float
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(o.tokens for o in self.outcomes if o.error is None) / self.seconds
+
+    def percentile(self, what: str, q: float) -> float:
+        values = sorted(getattr(o, what) for o in self.outcomes if o.error is None)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+    @property
+    def errors(self) -> int:
+        return sum(o.error is not None for o in self.outcomes)
+
+
+def percentile_of(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def stream_chat(host: str, port: int, model: str, prompt: str, max_tokens: int, count: Any = None,
+                timeout: float = 600.0) -> Outcome:
+    """One streamed, greedy chat completion; ``count(text)`` counts tokens when the
+    server reports no usage."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    start = time.perf_counter()
+    first, parts, tokens = None, [], None
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return Outcome(0.0, time.perf_counter() - start, 0, "", f"HTTP {response.status}: {response.read()[:200]!r}")
+        for raw in response:  # server-sent events, a line at a time
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("error"):
+                return Outcome(0.0, time.perf_counter() - start, 0, "", str(event["error"]))
+            for choice in event.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    first = first if first is not None else time.perf_counter()
+                    parts.append(piece)
+            if event.get("usage"):
+                tokens = int(event["usage"].get("completion_tokens") or 0)
+    except (OSError, http.client.HTTPException, ValueError) as err:
+        return Outcome(0.0, time.perf_counter() - start, 0, "".join(parts), f"{type(err).__name__}: {err}")
+    finally:
+        connection.close()
+    end = time.perf_counter()
+    text = "".join(parts)
+    if tokens is None:
+        tokens = count(text) if count is not None else 0
+    return Outcome((first or end) - start, end - start, tokens, text)
+
+
+def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[str], concurrency: int,
+             max_tokens: int, count: Any = None) -> Load:
+    """``concurrency`` clients; client i sends prompts i, i + C, i + 2C, ... in turn."""
+    outcomes: list[Outcome | None] = [None] * len(prompts)
+
+    def client(index: int) -> None:
+        for k in range(index, len(prompts), concurrency):
+            outcomes[k] = stream_chat(host, port, model, prompts[k], max_tokens, count)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return Load(server, concurrency, time.perf_counter() - start, [o for o in outcomes if o is not None])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server started as a child process, ready once its /health answers."""
+
+    def __init__(self, name: str, command: list[str], port: int, model: str, log: Path) -> None:
+        self.name, self.command, self.port, self.model = name, command, port, model
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(log, "wb")
+        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name}: the server exited with status {self.process.returncode}; "
+                                   f"see {self.log}: {self.tail()}")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name}: not ready after {timeout:.0f} s; see {self.log}: {self.tail()}")
+
+    def tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log_file.close()
+
+
+def racer_server(method: str, port: int, model: str | None, dtype: str, threads: int | None, max_batch: int,
+                 folder: Path) -> ServerProcess:
+    command = [sys.executable, "-m", "racer.cli", "serve", "--method", method, "--port", str(port),
+               "--max-batch", str(max_batch), "--max-queue", "64", "--dtype", dtype]
+    if model:
+        command += ["--model", model]
+    if threads:
+        command += ["--threads", str(threads)]
+    name = model or "SmolLM2-135M-Instruct"
+    return ServerProcess(f"racer serve --method {method}", command, port, name, folder / f"server-{method}.log")
+
+
+def transformers_server(port: int, folder_of_model: str, dtype: str, folder: Path) -> ServerProcess:
+    """``transformers serve --continuous-batching`` with the model preloaded."""
+    executable = Path(sys.executable).with_name("transformers")
+    command = [str(executable) if executable.exists() else "transformers", "serve", folder_of_model,
+               "--continuous-batching", "--device", "cpu", "--dtype", dtype, "--port", str(port),
+               "--host", "127.0.0.1"]
+    return ServerProcess("transformers serve --continuous-batching", command, port, folder_of_model,
+                         folder / "server-transformers.log")
+
+
+def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: int, per_client: int,
+                anchor: bool, out: Path, model: str | None = None, dtype: str = "float32",
+                threads: int | None = None, max_batch: int = 8, ready_timeout: float = 900.0) -> list[Load]:
+    """Start every server, run the interleaved loads, write ``serve.json`` and the plot
+    into ``out``, print the table; returns the loads."""
+    from racer.bench.questions import load_questions
+    from racer.loading import load_tokenizer, model_folder
+
+    out.mkdir(parents=True, exist_ok=True)
+    questions = load_questions("spec_bench", limit=1) + load_questions("human_eval", limit=16)
+    tokenizer = load_tokenizer(model)
+    count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the anchor takes torch's threads from here
+    servers: list[ServerProcess] = []
+    failures: dict[str, str] = {}
+    try:
+        for method in methods:
+            servers.append(racer_server(method, free_port(), model, dtype, threads, max_batch, out))
+        if anchor:
+            try:
+                servers.append(transformers_server(free_port(), model_folder(model), dtype, out))
+            except OSError as err:
+                failures["transformers serve --continuous-batching"] = f"could not start: {err}"
+        for server in list(servers):
+            try:
+                server.wait_ready(ready_timeout)
+            except RuntimeError as err:
+                failures[server.name] = str(err)
+                servers.remove(server)
+                server.stop()
+        for server in servers:  # warm-up, not reported
+            stream_chat("127.0.0.1", server.port, server.model, "Say hello.", 8, count)
+        loads: list[Load] = []
+        for c in concurrency:
+            prompts = [q.prompt for q in questions[: c * per_client]]
+            for server in servers:
+                load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, c, max_tokens, count)
+                loads.append(load)
+                print(f"  C={c} {server.name}: {load.tokens_per_s:.1f} tok/s, {load.errors} errors", file=sys.stderr,
+                      flush=True)
+    finally:
+        for server in servers:
+            server.stop()
+    report = {"settings": {"methods": list(methods), "concurrency": list(concurrency), "max_tokens": max_tokens,
+                           "per_client": per_client, "model": model or "SmolLM2-135M-Instruct", "dtype": dtype,
+                           "threads": threads, "max_batch": max_batch},
+              "failures": failures,
+              "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds,
+                         "outcomes": [asdict(o) for o in l.outcomes]} for l in loads]}
+    (out / "serve.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    print(table(loads, servers[0].name if servers else ""))
+    for name, why in failures.items():
+        print(f"\n{name}: not measured: {why}")
+    plot(loads, out / "serve_throughput.png")
+    return loads
+
+
+def same_answers(loads: Sequence[Load], baseline: str) -> dict[tuple[str, int], str]:
+    """Per (server, C): how many answers equal the baseline server's at that C."""
+    out = {}
+    for load in loads:
+        reference = next((l for l in loads if l.server == baseline and l.concurrency == load.concurrency), None)
+        if reference is None:
+            continue
+        same = sum(a.text == b.text for a, b in zip(load.outcomes, reference.outcomes))
+        out[load.server, load.concurrency] = f"{same}/{len(load.outcomes)}"
+    return out
+
+
+def table(loads: Sequence[Load], baseline: str) -> str:
+    """The markdown table: throughput (and against the baseline server), TTFT and latency."""
+    same = same_answers(loads, baseline)
+    lines = [f"| C | server | tokens/s | vs {baseline.split()[-1] if baseline else 'baseline'} | TTFT p50 / p99 (s) | "
+             "latency p50 / p99 (s) | same text as baseline | errors |", "|---|---|---|---|---|---|---|---|"]
+    for load in loads:
+        reference = next((l for l in loads if l.server == baseline and l.concurrency == load.concurrency), None)
+        ratio = load.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
+        lines.append(f"| {load.concurrency} | {load.server} | {load.tokens_per_s:.1f} | {ratio:.2f}x | "
+                     f"{load.percentile('ttft', 0.5):.2f} / {load.percentile('ttft', 0.99):.2f} | "
+                     f"{load.percentile('latency', 0.5):.1f} / {load.percentile('latency', 0.99):.1f} | "
+                     f"{same.get((load.server, load.concurrency), '-')} | {load.errors} |")
+    return "\n".join(lines)
+
+
+def plot(loads: Sequence[Load], path: Path) -> None:
+    """Throughput against concurrency, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for server in dict.fromkeys(l.server for l in loads):
+        points = sorted((l.concurrency, l.tokens_per_s) for l in loads if l.server == server)
+        ax.plot([c for c, _ in points], [t for _, t in points], marker="o", label=server)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("completion tokens / s (whole load)")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
