@@ -12,6 +12,8 @@ from racer.cli import main
     (["generate", "hi", "--method", "nope"], "method"),
     (["generate", "hi", "--dtype", "int4"], "dtype"),
     (["generate", "hi", "--method", "racer:capacity=0"], "capacity"),
+    (["bench-serve", "--concurrency", "1,0"], "concurrency"),
+    (["bench-serve", "--methods", "none,nope"], "method"),
 ])
 def test_bad_arguments_give_one_clear_line(argv, pattern, capsys):
     assert main(argv) == 2
@@ -23,6 +25,12 @@ def test_non_positive_token_limit_is_refused():
     proc = subprocess.run([sys.executable, "-m", "racer.cli", "generate", "hi", "--max-new-tokens", "0"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "max-new-tokens" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_memory_scope_outside_the_three_is_refused():
+    proc = subprocess.run([sys.executable, "-m", "racer.cli", "serve", "--memory-scope", "everyone"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--memory-scope" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_methods_lists_every_method(capsys):

@@ -313,3 +313,70 @@ def test_sigterm_during_a_stream_finishes_or_ends_it_and_exits(real):
     log = process.stdout.read()
     assert "racer serve: stopped" in log, log  # the shutdown ran (engine stopped), not a kill
     assert received[0].startswith(b"data: ")
+
+
+def test_sampling_through_the_server_is_exactly_distributed(server, real):
+    """The first two tokens of 300 seeded requests, 4 at a time, against the model's own
+    distribution (temperature 0.6, top_p 0.6: six outcomes): Pearson's chi-square."""
+    from test_sampling import chi2, chi2_critical, exact_distribution
+
+    model, tokenizer = real
+    messages = [{"role": "user", "content": "Pick a random fruit and name it."}]
+    probs, _ = exact_distribution(model, encode_prompt(tokenizer, messages, chat=True), 2,
+                                  temperature=0.6, top_p=0.6)
+    runs, counts, verified = 300, {}, []
+    lock = threading.Lock()
+
+    def client_(first: int) -> None:
+        for seed in range(first, runs, 4):
+            body = {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 2, "temperature": 0.6,
+                    "top_p": 0.6, "seed": seed, "racer": True}
+            reply = _post(server, "/v1/chat/completions", body).json()
+            with lock:
+                key = tuple(reply["racer"]["completion_token_ids"])
+                counts[key] = counts.get(key, 0) + 1
+                verified.append(reply["racer"]["draft_tokens_verified"])
+
+    threads = [threading.Thread(target=client_, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sum(counts.values()) == runs and sum(verified) > 0  # second tokens went through draft trees
+    stat, df = chi2(counts, probs, runs)
+    assert df >= 4 and stat < chi2_critical(df), (stat, df, counts)
+
+
+def test_the_load_generator_reports_refused_requests_as_errors(server):
+    from racer.bench.serving import run_load
+
+    host, port = server.removeprefix("http://").split(":")
+    # The fixture's server wants a key; the load generator sends none, so expect 401s
+    # to be reported as errors, not counted as answers.
+    refused = run_load("keyed", host, int(port), DEFAULT_MODEL, QUESTIONS[:2], 2, 8)
+    assert refused.errors == 2 and "401" in refused.outcomes[0].error
+
+
+def test_the_load_generator_times_streamed_answers(real):
+    """``racer bench-serve``'s client: streamed greedy answers, their usage, their times."""
+    from racer.bench.serving import merge_rounds, run_load, table
+
+    process, base = start_server("--max-batch", "2")
+    try:
+        host, port = base.removeprefix("http://").split(":")
+        loads = [run_load("racer", host, int(port), DEFAULT_MODEL, QUESTIONS[:3], 2, 12) for _ in range(2)]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    model, tokenizer = real
+    decoder = Decoder(model, tokenizer, "none")
+    for load in loads:
+        assert load.errors == 0 and len(load.outcomes) == 3
+        for question, outcome in zip(QUESTIONS, load.outcomes):
+            expected = decoder.generate([{"role": "user", "content": question}], chat=True, max_new_tokens=12)
+            assert outcome.text == expected.text and outcome.tokens == len(expected.tokens)
+            assert 0 < outcome.ttft <= outcome.latency
+    merged = merge_rounds(loads)
+    assert len(merged) == 1 and len(merged[0].outcomes) == 6
+    assert min(l.tokens_per_s for l in loads) <= merged[0].tokens_per_s <= max(l.tokens_per_s for l in loads)
+    assert "| 2 | racer |" in table(merged, "racer")

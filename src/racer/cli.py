@@ -7,10 +7,6 @@ import os
 import sys
 from typing import Sequence
 
-# Spinning OpenMP workers steal the only other core on small machines; must be set
-# before torch starts its thread pool.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 
 def default_threads() -> int:
     """The cores this process may run on. Never the load of the moment: the thread
@@ -35,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device, e.g. cpu or cuda (default: where the model loads)")
     p.add_argument("--threads", type=_positive, default=None,
-                   help="CPU threads for torch (default: every core this process may use; with OMP_WAIT_POLICY=PASSIVE)")
+                   help="CPU threads for torch (default: every core this process may use)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -121,7 +117,12 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-tokens", type=_positive, default=256, help="max_tokens of every request (default: 256)")
     load.add_argument("--per-client", type=_positive, default=2, help="requests each client sends in turn (default: 2)")
     load.add_argument("--max-batch", type=_positive, default=8, help="the racer servers' --max-batch (default: 8)")
+    load.add_argument("--rounds", type=_positive, default=1,
+                      help="times over the whole load, interleaved; the median round is reported (default: 1)")
     load.add_argument("--no-anchor", action="store_true", help="skip transformers serve")
+    load.add_argument("--memory", default=None, metavar="N,M,...",
+                      help="instead: one server of the first method, its resident memory after N, M, ... requests "
+                           "(16 tokens each, every prompt different)")
     load.add_argument("--out", default="bench-serve", help="folder for serve.json, the plot and server logs")
     _add_model_args(load)
 
@@ -315,7 +316,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from racer import parse_method
-    from racer.bench.serving import bench_serve
+    from racer.bench.serving import bench_serve, server_memory
 
     try:
         concurrency = [_positive(c) for c in args.concurrency.split(",")]
@@ -324,8 +325,19 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     methods = [m for m in args.methods.split(",") if m]
     for method in methods:
         parse_method(method)  # a bad spec fails before any server starts
+    if args.memory:
+        try:
+            marks = sorted(_positive(m) for m in args.memory.split(","))
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(f"--memory: {err}") from None
+        rows = server_memory(methods[0], marks, max(concurrency), 16, Path(args.out), args.model, args.dtype,
+                             args.threads, args.max_batch)
+        print("| requests answered | resident memory (MiB) | idle drafters |\n|---|---|---|")
+        for row in rows:
+            print(f"| {row['requests']} | {row['rss_mib']:.0f} | {row['idle_drafters']:.0f} |")
+        return 0
     loads = bench_serve(methods, concurrency, args.max_tokens, args.per_client, not args.no_anchor, Path(args.out),
-                        args.model, args.dtype, args.threads, args.max_batch)
+                        args.model, args.dtype, args.threads, args.max_batch, args.rounds)
     return 0 if loads and not any(load.errors for load in loads) else 1
 
 

@@ -46,9 +46,12 @@ class Load:
     concurrency: int
     seconds: float
     outcomes: list[Outcome] = field(default_factory=list)
+    rate: float | None = None  # set on merged rounds: the median round's throughput
 
     @property
     def tokens_per_s(self) -> float:
+        if self.rate is not None:
+            return self.rate
         return sum(o.tokens for o in self.outcomes if o.error is None) / self.seconds
 
     def percentile(self, what: str, q: float) -> float:
@@ -60,11 +63,6 @@ class Load:
     @property
     def errors(self) -> int:
         return sum(o.error is not None for o in self.outcomes)
-
-
-def percentile_of(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 def stream_chat(host: str, port: int, model: str, prompt: str, max_tokens: int, count: Any = None,
@@ -165,7 +163,18 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP) while another server is measured: an idle server
+        may still poll or spin, which would take the measured one's CPU."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -177,9 +186,9 @@ class ServerProcess:
 
 
 def racer_server(method: str, port: int, model: str | None, dtype: str, threads: int | None, max_batch: int,
-                 folder: Path) -> ServerProcess:
+                 folder: Path, extra: Sequence[str] = ()) -> ServerProcess:
     command = [sys.executable, "-m", "racer.cli", "serve", "--method", method, "--port", str(port),
-               "--max-batch", str(max_batch), "--max-queue", "64", "--dtype", dtype]
+               "--max-batch", str(max_batch), "--max-queue", "64", "--dtype", dtype, *extra]
     if model:
         command += ["--model", model]
     if threads:
@@ -200,9 +209,11 @@ def transformers_server(port: int, folder_of_model: str, dtype: str, folder: Pat
 
 def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: int, per_client: int,
                 anchor: bool, out: Path, model: str | None = None, dtype: str = "float32",
-                threads: int | None = None, max_batch: int = 8, ready_timeout: float = 900.0) -> list[Load]:
-    """Start every server, run the interleaved loads, write ``serve.json`` and the plot
-    into ``out``, print the table; returns the loads."""
+                threads: int | None = None, max_batch: int = 8, rounds: int = 1,
+                ready_timeout: float = 900.0) -> list[Load]:
+    """Start every server, run the interleaved loads (``rounds`` times over, each round
+    every C and at each C every server in turn, the idle ones frozen), write
+    ``serve.json`` and the plot into ``out``, print the table; returns the loads."""
     from racer.bench.questions import load_questions
     from racer.loading import load_tokenizer, model_folder
 
@@ -214,6 +225,7 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the anchor takes torch's threads from here
     servers: list[ServerProcess] = []
     failures: dict[str, str] = {}
+    loads: list[Load] = []
     try:
         for method in methods:
             servers.append(racer_server(method, free_port(), model, dtype, threads, max_batch, out))
@@ -231,29 +243,48 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                 server.stop()
         for server in servers:  # warm-up, not reported
             stream_chat("127.0.0.1", server.port, server.model, "Say hello.", 8, count)
-        loads: list[Load] = []
-        for c in concurrency:
-            prompts = [q.prompt for q in questions[: c * per_client]]
-            for server in servers:
-                load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, c, max_tokens, count)
-                loads.append(load)
-                print(f"  C={c} {server.name}: {load.tokens_per_s:.1f} tok/s, {load.errors} errors", file=sys.stderr,
-                      flush=True)
+            server.pause()
+        for round_ in range(rounds):
+            for c in concurrency:
+                prompts = [q.prompt for q in questions[: c * per_client]]
+                for server in servers:
+                    server.resume()
+                    try:
+                        load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, c,
+                                        max_tokens, count)
+                    finally:
+                        server.pause()
+                    loads.append(load)
+                    print(f"  round {round_ + 1}, C={c}, {server.name}: {load.tokens_per_s:.1f} tok/s, "
+                          f"{load.errors} errors", file=sys.stderr, flush=True)
     finally:
         for server in servers:
             server.stop()
     report = {"settings": {"methods": list(methods), "concurrency": list(concurrency), "max_tokens": max_tokens,
                            "per_client": per_client, "model": model or "SmolLM2-135M-Instruct", "dtype": dtype,
-                           "threads": threads, "max_batch": max_batch},
+                           "threads": threads, "max_batch": max_batch, "rounds": rounds},
               "failures": failures,
               "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds,
                          "outcomes": [asdict(o) for o in l.outcomes]} for l in loads]}
     (out / "serve.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    print(table(loads, servers[0].name if servers else ""))
+    merged = merge_rounds(loads)
+    print(table(merged, servers[0].name if servers else ""))
     for name, why in failures.items():
         print(f"\n{name}: not measured: {why}")
-    plot(loads, out / "serve_throughput.png")
+    if merged:
+        plot(merged, out / "serve_throughput.png")
     return loads
+
+
+def merge_rounds(loads: Sequence[Load]) -> list[Load]:
+    """One load per (server, C): every round's outcomes, the median round's throughput."""
+    merged = []
+    for key in dict.fromkeys((l.server, l.concurrency) for l in loads):
+        same = [l for l in loads if (l.server, l.concurrency) == key]
+        rate = statistics.median(l.tokens_per_s for l in same)
+        merged.append(Load(key[0], key[1], sum(l.seconds for l in same), [o for l in same for o in l.outcomes],
+                           rate))
+    return merged
 
 
 def same_answers(loads: Sequence[Load], baseline: str) -> dict[tuple[str, int], str]:
@@ -302,3 +333,46 @@ def plot(loads: Sequence[Load], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def resident_mib(pid: int) -> float:
+    """A process's resident memory (Linux: /proc/PID/status VmRSS), MiB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def server_memory(method: str, marks: Sequence[int], concurrency: int, max_tokens: int, out: Path,
+                  model: str | None = None, dtype: str = "float32", threads: int | None = None,
+                  max_batch: int = 8, memory_scope: str = "server") -> list[dict]:
+    """One ``racer serve``: after each mark (requests answered), its resident memory and
+    ``/metrics``' idle drafters. Every request a different prompt (the benchmark
+    questions, numbered), so each drafter's memory keeps growing to its own bounds."""
+    from racer.bench.questions import load_questions
+
+    questions = [q.prompt for q in load_questions("spec_bench") + load_questions("human_eval")]
+    server = racer_server(method, free_port(), model, dtype, threads, max_batch, out,
+                          ["--memory-scope", memory_scope])
+    rows = []
+    try:
+        server.wait_ready(900)
+        sent = 0
+        for mark in marks:
+            prompts = [f"{questions[i % len(questions)]} (request {i})" for i in range(sent, mark)]
+            load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, concurrency, max_tokens)
+            if load.errors:
+                raise RuntimeError(f"{load.errors} requests failed: {next(o.error for o in load.outcomes if o.error)}")
+            sent = mark
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            connection.request("GET", "/metrics")
+            metrics = connection.getresponse().read().decode()
+            idle = next((float(line.split()[-1]) for line in metrics.splitlines()
+                         if line.startswith("racer_idle_drafters ")), float("nan"))
+            rows.append({"requests": mark, "rss_mib": resident_mib(server.process.pid), "idle_drafters": idle})
+            print(f"  after {mark} requests: {rows[-1]['rss_mib']:.0f} MiB resident, {idle:.0f} idle drafters",
+                  file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return rows

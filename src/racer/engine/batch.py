@@ -237,6 +237,11 @@ class BatchDecoder:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def idle_drafters(self) -> int:
+        """Drafters kept for later requests of their scope."""
+        return len(self.pool)
+
     def generate_all(self, prompts: Iterable[Any], **fields: Any) -> list[GenerationResult]:
         """Decode every prompt together (options as ``Decoder.generate``)."""
         ids = [self.submit(prompt, **fields) for prompt in prompts]

@@ -164,7 +164,7 @@ async def _collect(box: "asyncio.Queue[tuple]") -> tuple[list[int], Any]:
 
 def _stats(result: Any) -> dict:
     return {"mat": round(result.mat, 3), "passes": result.passes, **protocol.draft_counts(result.steps),
-            "stop_reason": result.stop_reason}
+            "stop_reason": result.stop_reason, "completion_token_ids": list(result.tokens)}
 
 
 def _sse(payload: dict) -> bytes:

@@ -2,7 +2,12 @@
 the HTTP handlers through a thread-safe inbox, answering each request through its own
 sink (an asyncio queue on the server's event loop).
 
-Only this thread touches the decoder. A request's life: ``submit`` (refused when the
+Only this thread touches the decoder, and only this thread runs torch: given a
+function that builds the decoder, it loads the model and times it there too. OpenMP
+gives each thread that opens parallel regions a team of its own, and on a small CPU
+one team's regions run much slower (a one-row product, about 2x here) once another
+thread's team exists; the model must load, be timed and decode on one thread.
+A request's life: ``submit`` (refused when the
 queue is full) → waiting → decoding (its tokens flow to its sink) → finished (its
 result goes to the sink and the decoder keeps nothing of it) or cancelled (a client
 that went away: its row is freed at the next step).
@@ -38,21 +43,40 @@ class Ticket:
 
 
 class Engine:
-    """Runs ``decoder`` on a thread of its own; at most ``max_batch + max_queue``
-    requests are held at once."""
+    """Runs a decoder on a thread of its own; at most ``max_batch + max_queue``
+    requests are held at once. ``decoder``: a ``BatchDecoder``, or a function that
+    builds one, called on the engine's thread (``wait_ready`` returns it)."""
 
-    def __init__(self, decoder: BatchDecoder, max_queue: int, on_step: Callable[[int, int, list], None] | None = None) -> None:
-        self.decoder = decoder
-        self.capacity = decoder.max_batch + max_queue
+    def __init__(self, decoder: BatchDecoder | Callable[[], BatchDecoder], max_queue: int,
+                 on_step: Callable[[int, int, list, int], None] | None = None) -> None:
+        self.max_queue = max_queue
         self.on_step = on_step
+        self._build = decoder if callable(decoder) else None
+        self.decoder: BatchDecoder | None = None if callable(decoder) else decoder
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+        if self.decoder is not None:
+            self._ready.set()
         self._inbox: "queue.Queue[Ticket]" = queue.Queue()
         self._held = 0  # requests submitted and not yet finished
         self._lock = threading.Lock()
         self._tickets: dict[int, Ticket] = {}
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="racer-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="racer-engine", daemon=True)
         self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> BatchDecoder:
+        """The decoder, once built (re-raises what building it raised)."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the decoder is not built yet")
+        if self._failure is not None:
+            raise self._failure
+        return self.decoder
+
+    @property
+    def capacity(self) -> int:
+        return self.wait_ready().max_batch + self.max_queue
 
     @property
     def held(self) -> int:
@@ -91,6 +115,17 @@ class Engine:
     def _done(self, ticket: Ticket) -> None:
         with self._lock:
             self._held -= 1
+
+    def _run(self) -> None:
+        if self._build is not None:
+            try:
+                self.decoder = self._build()
+            except BaseException as err:  # noqa: BLE001 - handed to wait_ready's caller
+                self._failure = err
+                return
+            finally:
+                self._ready.set()
+        self._loop()
 
     def _loop(self) -> None:
         while True:
@@ -136,7 +171,7 @@ class Engine:
                     self._done(ticket)
                     ticket.deliver(("done", decoder.result(update.request)))
             if self.on_step is not None:
-                self.on_step(decoder.active, decoder.waiting, updates)
+                self.on_step(decoder.active, decoder.waiting, updates, decoder.idle_drafters)
 
     def _fail_all(self, err: Exception) -> None:
         """A step raised: every request in the batch fails, and the batch starts afresh."""

@@ -21,6 +21,8 @@ class Metrics:
         self.requests = Counter("racer_requests", "HTTP requests answered", ["route", "status"], registry=r)
         self.queue = Gauge("racer_queue_length", "requests waiting for a batch row", registry=r)
         self.batch = Gauge("racer_batch_size", "requests decoding in the batch", registry=r)
+        self.idle = Gauge("racer_idle_drafters", "drafters kept for later requests of their memory scope",
+                          registry=r)
         self.tokens = Counter("racer_completion_tokens", "tokens generated", registry=r)
         self.passes = Counter("racer_verification_passes", "verification passes, summed over requests",
                               registry=r)
@@ -33,9 +35,10 @@ class Metrics:
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def step(self, active: int, waiting: int, updates: list) -> None:
+    def step(self, active: int, waiting: int, updates: list, idle: int = 0) -> None:
         self.batch.set(active)
         self.queue.set(waiting)
+        self.idle.set(idle)
 
     def finished(self, result: Any, seconds: float) -> None:
         self.tokens.inc(len(result.tokens))

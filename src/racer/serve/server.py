@@ -30,11 +30,17 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     if memory_scope not in MEMORY_SCOPES:
         raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
     racer.parse_method(method)  # a bad spec fails before the model loads
-    model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device)
-    decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
-    decoder.calibrate(announce=say)
+
+    def build() -> racer.BatchDecoder:  # on the engine's thread: one OpenMP team (serve/engine.py)
+        model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device)
+        decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
+        decoder.calibrate(announce=say)
+        return decoder
+
     metrics = Metrics()
-    engine = Engine(decoder, max_queue, on_step=metrics.step)
+    engine = Engine(build, max_queue, on_step=metrics.step)
+    decoder = engine.wait_ready()
+    model, tokenizer = decoder.model, decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope)
