@@ -359,12 +359,14 @@ def test_the_load_generator_reports_refused_requests_as_errors(server):
 
 def test_the_load_generator_times_streamed_answers(real):
     """``racer bench-serve``'s client: streamed greedy answers, their usage, their times."""
-    from racer.bench.serving import merge_rounds, run_load, table
+    from racer.bench.serving import counters, merge_rounds, nodes_per_pass, run_load, table
 
     process, base = start_server("--max-batch", "2")
     try:
         host, port = base.removeprefix("http://").split(":")
+        before = counters(int(port))
         loads = [run_load("racer", host, int(port), DEFAULT_MODEL, QUESTIONS[:3], 2, 12) for _ in range(2)]
+        after = counters(int(port))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
@@ -376,6 +378,9 @@ def test_the_load_generator_times_streamed_answers(real):
             expected = decoder.generate([{"role": "user", "content": question}], chat=True, max_new_tokens=12)
             assert outcome.text == expected.text and outcome.tokens == len(expected.tokens)
             assert 0 < outcome.ttft <= outcome.latency
+    assert after["racer_completion_tokens_total"] - before.get("racer_completion_tokens_total", 0) == sum(
+        o.tokens for load in loads for o in load.outcomes)
+    assert nodes_per_pass(before, after) >= 1.0
     merged = merge_rounds(loads)
     assert len(merged) == 1 and len(merged[0].outcomes) == 6
     assert min(l.tokens_per_s for l in loads) <= merged[0].tokens_per_s <= max(l.tokens_per_s for l in loads)

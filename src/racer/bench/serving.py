@@ -47,6 +47,7 @@ class Load:
     seconds: float
     outcomes: list[Outcome] = field(default_factory=list)
     rate: float | None = None  # set on merged rounds: the median round's throughput
+    nodes: float | None = None  # verified nodes per request per pass (a racer server's /metrics)
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,11 +215,10 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
     """Start every server, run the interleaved loads (``rounds`` times over, each round
     every C and at each C every server in turn, the idle ones frozen), write
     ``serve.json`` and the plot into ``out``, print the table; returns the loads."""
-    from racer.bench.questions import load_questions
     from racer.loading import load_tokenizer, model_folder
 
     out.mkdir(parents=True, exist_ok=True)
-    questions = load_questions("spec_bench", limit=1) + load_questions("human_eval", limit=16)
+    questions = prompt_pool()
     tokenizer = load_tokenizer(model)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     if threads:
@@ -244,14 +244,20 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
         for server in servers:  # warm-up, not reported
             stream_chat("127.0.0.1", server.port, server.model, "Say hello.", 8, count)
             server.pause()
+        taken = 0
         for round_ in range(rounds):
             for c in concurrency:
-                prompts = [q.prompt for q in questions[: c * per_client]]
+                # Prompts no earlier load sent: a server whose drafters remember earlier
+                # requests must not be handed the same questions again.
+                prompts = [questions[(taken + k) % len(questions)] for k in range(c * per_client)]
+                taken += c * per_client
                 for server in servers:
                     server.resume()
                     try:
+                        before = counters(server.port)
                         load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, c,
                                         max_tokens, count)
+                        load.nodes = nodes_per_pass(before, counters(server.port))
                     finally:
                         server.pause()
                     loads.append(load)
@@ -264,7 +270,7 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                            "per_client": per_client, "model": model or "SmolLM2-135M-Instruct", "dtype": dtype,
                            "threads": threads, "max_batch": max_batch, "rounds": rounds},
               "failures": failures,
-              "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds,
+              "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds, "nodes": l.nodes,
                          "outcomes": [asdict(o) for o in l.outcomes]} for l in loads]}
     (out / "serve.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     merged = merge_rounds(loads)
@@ -276,14 +282,57 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
     return loads
 
 
+def counters(port: int) -> dict[str, float]:
+    """A racer server's Prometheus counters (empty for a server without /metrics)."""
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("GET", "/metrics")
+        response = connection.getresponse()
+        text = response.read().decode() if response.status == 200 else ""
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("racer_") and name.endswith("_total"):
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def nodes_per_pass(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Verified nodes (root included) per request per pass between two scrapes."""
+    key, verified = "racer_verification_passes_total", "racer_draft_tokens_verified_total"
+    if key not in after or key not in before:
+        return None
+    passes = after[key] - before[key]
+    return 1 + (after[verified] - before[verified]) / passes if passes > 0 else None
+
+
+def prompt_pool() -> list[str]:
+    """Spec-Bench (a question of each category in turn) and HumanEval, alternating."""
+    from racer.bench.questions import load_questions
+
+    by_category: dict[str, list[str]] = {}
+    for question in load_questions("spec_bench"):
+        by_category.setdefault(question.category, []).append(question.prompt)
+    spec = [group[i] for i in range(max(map(len, by_category.values())))
+            for group in by_category.values() if i < len(group)]
+    code = [q.prompt for q in load_questions("human_eval")]
+    return [prompt for pair in zip(spec, code) for prompt in pair]
+
+
 def merge_rounds(loads: Sequence[Load]) -> list[Load]:
     """One load per (server, C): every round's outcomes, the median round's throughput."""
     merged = []
     for key in dict.fromkeys((l.server, l.concurrency) for l in loads):
         same = [l for l in loads if (l.server, l.concurrency) == key]
         rate = statistics.median(l.tokens_per_s for l in same)
+        nodes = [l.nodes for l in same if l.nodes is not None]
         merged.append(Load(key[0], key[1], sum(l.seconds for l in same), [o for l in same for o in l.outcomes],
-                           rate))
+                           rate, statistics.mean(nodes) if nodes else None))
     return merged
 
 
@@ -303,14 +352,15 @@ def table(loads: Sequence[Load], baseline: str) -> str:
     """The markdown table: throughput (and against the baseline server), TTFT and latency."""
     same = same_answers(loads, baseline)
     lines = [f"| C | server | tokens/s | vs {baseline.split()[-1] if baseline else 'baseline'} | TTFT p50 / p99 (s) | "
-             "latency p50 / p99 (s) | same text as baseline | errors |", "|---|---|---|---|---|---|---|---|"]
+             "latency p50 / p99 (s) | nodes/request/pass | same text as baseline | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for load in loads:
         reference = next((l for l in loads if l.server == baseline and l.concurrency == load.concurrency), None)
         ratio = load.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
         lines.append(f"| {load.concurrency} | {load.server} | {load.tokens_per_s:.1f} | {ratio:.2f}x | "
                      f"{load.percentile('ttft', 0.5):.2f} / {load.percentile('ttft', 0.99):.2f} | "
                      f"{load.percentile('latency', 0.5):.1f} / {load.percentile('latency', 0.99):.1f} | "
-                     f"{same.get((load.server, load.concurrency), '-')} | {load.errors} |")
+                     f"{'-' if load.nodes is None else f'{load.nodes:.2f}'} | {same.get((load.server, load.concurrency), '-')} | {load.errors} |")
     return "\n".join(lines)
 
 
@@ -348,11 +398,10 @@ def server_memory(method: str, marks: Sequence[int], concurrency: int, max_token
                   model: str | None = None, dtype: str = "float32", threads: int | None = None,
                   max_batch: int = 8, memory_scope: str = "server") -> list[dict]:
     """One ``racer serve``: after each mark (requests answered), its resident memory and
-    ``/metrics``' idle drafters. Every request a different prompt (the benchmark
-    questions, numbered), so each drafter's memory keeps growing to its own bounds."""
-    from racer.bench.questions import load_questions
-
-    questions = [q.prompt for q in load_questions("spec_bench") + load_questions("human_eval")]
+    ``/metrics``' idle drafters. Every request a different prompt (a benchmark
+    question's first 400 characters, numbered), so each drafter's memory keeps growing
+    to its own bounds."""
+    questions = [q[:400] for q in prompt_pool()]
     server = racer_server(method, free_port(), model, dtype, threads, max_batch, out,
                           ["--memory-scope", memory_scope])
     rows = []

@@ -160,6 +160,8 @@ class Engine:
                 traceback.print_exc()
                 self._fail_all(err)
                 continue
+            if self.on_step is not None:  # before the answers go: a client that reads /metrics next sees this step
+                self.on_step(decoder.active, decoder.waiting, updates, decoder.idle_drafters)
             for update in updates:
                 ticket = self._tickets.get(update.request)
                 if ticket is None:
@@ -170,8 +172,6 @@ class Engine:
                     del self._tickets[update.request]
                     self._done(ticket)
                     ticket.deliver(("done", decoder.result(update.request)))
-            if self.on_step is not None:
-                self.on_step(decoder.active, decoder.waiting, updates, decoder.idle_drafters)
 
     def _fail_all(self, err: Exception) -> None:
         """A step raised: every request in the batch fails, and the batch starts afresh."""
