@@ -90,7 +90,7 @@ def test_drafting_pauses_while_drafts_do_not_pay_and_probes_again():
     never = never_accepted()
     drafted = []
     for _ in range(40):
-        if budget.drafting:
+        if budget.step_drafts():
             drafted.append(True)
             kept = budget.select([wide_tree()] * 4, [never] * 4, [32] * 4)
             assert all(len(t) == 1 for t in kept)
@@ -104,7 +104,7 @@ def test_drafting_goes_on_while_drafts_pay():
     table = measure_batch(synthetic, [1, 2, 4], repeats=1)
     budget = BatchBudget(table)
     for _ in range(20):
-        assert budget.drafting
+        assert budget.step_drafts()
         kept = budget.select([wide_tree()] * 2, [Fixed(0.9)] * 2, [32] * 2)
         assert len(kept[0]) > 1
     assert budget.ask(64) == 2 * budget.last_cap + 8

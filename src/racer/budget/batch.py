@@ -59,7 +59,7 @@ class BatchBudget:
     cap of 1 does not win back: when the best cap's rate, drafting included, is not
     ``margin`` (10 %) better than the batch's without drafting, the step verifies bare
     roots and the budget stops drafting for a while
-    (``drafting`` is False: the decoder verifies bare roots and calls no drafter) and
+    (``step_drafts()`` is False: the decoder verifies bare roots and calls no drafter) and
     then drafts one step again to see whether drafts pay now, waiting twice as long
     after each miss, up to ``longest_pause`` steps.
 
@@ -83,9 +83,8 @@ class BatchBudget:
         self._pause = 0  # steps left without drafts
         self._misses = 0  # probes in a row that found drafts not paying
 
-    @property
-    def drafting(self) -> bool:
-        """Whether this step drafts (advances the pause when it does not)."""
+    def step_drafts(self) -> bool:
+        """Whether the step about to run drafts; a step that does not counts off the pause."""
         if self._pause > 0:
             self._pause -= 1
             return False

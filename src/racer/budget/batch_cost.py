@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from racer.budget.cost import CostModel, _write_json
+from racer.budget.cost import CostModel, _write_json, bracket
 
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -58,30 +58,19 @@ class BatchCostModel:
         if not self.overhead >= 0:
             raise ValueError(f"batch cost model: overhead: expected a non-negative time, got {self.overhead}")
 
-    def _between(self, rows: int) -> tuple[int, int, float]:
-        """Indices of the measured row counts around ``rows`` and the weight of the upper."""
-        counts = self.rows
-        if rows <= counts[0] or len(counts) == 1:
-            return 0, 0, 0.0
-        if rows >= counts[-1]:
-            i, j = len(counts) - 2, len(counts) - 1
-        else:
-            j = next(k for k, r in enumerate(counts) if r >= rows)
-            i = j - 1
-        return i, j, (rows - counts[i]) / (counts[j] - counts[i])
-
     def pass_seconds(self, rows: int, nodes: int, cached: int) -> float:
         """One pass of ``rows`` trees of ``nodes`` nodes each."""
         return self._pass(rows, [curve.predict for curve in self.curves], nodes, cached)
 
     def _pass(self, rows: int, predicts: Sequence[Callable[[int, int], float]], nodes: int, cached: int) -> float:
-        i, j, w = self._between(rows)
+        i, j, w = bracket(self.rows, rows)
         low = predicts[i](nodes, cached)
         if w == 0:
             return low
+        high = predicts[j](nodes, cached)
         # Past the largest measured count this extrapolates along the last segment,
-        # never below the largest count's own time.
-        return max((1 - w) * low + w * predicts[j](nodes, cached), min(low, predicts[j](nodes, cached)))
+        # never below the lower of the two counts' own times.
+        return max((1 - w) * low + w * high, min(low, high))
 
     def around(self, rows: int, drafting: bool) -> float:
         """Seconds of work around the pass: with ``drafting``, what drafting adds too."""
@@ -103,7 +92,7 @@ class BatchCostModel:
         """A step of ``rows`` trees padded to ``nodes`` took ``step_seconds``, its pass
         ``pass_seconds`` of them and drafting ``drafting_seconds`` (None: the step did
         not draft)."""
-        i, j, w = self._between(rows)
+        i, j, w = bracket(self.rows, rows)
         nearest = j if w > 0.5 else i
         if self.rows[nearest] == rows or len(self.rows) == 1:
             factor = self.curves[nearest].refresh(nodes, cached, pass_seconds)

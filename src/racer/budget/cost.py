@@ -38,6 +38,19 @@ PRIOR_SPREAD = 0.15  # how far off (relative, one sigma) a freshly calibrated si
 MAX_VARIANCE = (2 * PRIOR_SPREAD) ** 2
 
 
+def bracket(points: Sequence[int], x: int) -> tuple[int, int, float]:
+    """Indices i, j of the increasing ``points`` around ``x`` and the weight of j for
+    linear interpolation (past the last point, the last segment extended: w > 1)."""
+    if x <= points[0] or len(points) == 1:
+        return 0, 0, 0.0
+    if x >= points[-1]:
+        i, j = len(points) - 2, len(points) - 1
+    else:
+        j = next(k for k, p in enumerate(points) if p >= x)
+        i = j - 1
+    return i, j, (x - points[i]) / (points[j] - points[i])
+
+
 @dataclass
 class CostModel:
     sizes: list[int]
@@ -69,16 +82,7 @@ class CostModel:
             raise ValueError("cost model: expected one positive variance per size")
 
     def _bracket(self, n: int) -> tuple[int, int, float]:
-        """Indices i, j of the sizes around ``n`` and the weight of j (linear)."""
-        sizes = self.sizes
-        if n <= sizes[0] or len(sizes) == 1:
-            return 0, 0, 0.0
-        if n >= sizes[-1]:
-            i, j = len(sizes) - 2, len(sizes) - 1
-        else:
-            j = next(k for k, s in enumerate(sizes) if s >= n)
-            i = j - 1
-        return i, j, (n - sizes[i]) / (sizes[j] - sizes[i])
+        return bracket(self.sizes, n)
 
     def predict(self, nodes: int, cached: int) -> float:
         """Seconds for one step verifying ``nodes`` nodes on a cache of ``cached`` tokens."""

@@ -139,10 +139,10 @@ class BatchDecoder:
         if self._calibrated and not refresh:
             return
         single = load_or_measure(self.model, refresh, self.fast_paths, announce)
-        self.core.set_kernels(single.kernel, single.kernels)
         if not self.method.auto:
             self._use_cost(single)
             return
+        self.core.set_kernels(single.kernel, single.kernels)  # the batched passes are timed with them
         try:
             table = load_or_measure_batch(self.model, rows_to_measure(self.max_batch), single, self._time_pass,
                                           refresh, self.fast_paths, announce)
@@ -302,7 +302,7 @@ class BatchDecoder:
         start = time.perf_counter()
         self._windows.before(max(self.slots.state.lengths) + self.method.draft_size)
         budget = self.budget
-        drafting = budget is None or budget.drafting
+        drafting = budget is None or budget.step_drafts()
         proposed: list[DraftTree] = []
         for request in self._active:
             root = request.result.tokens[-1]
