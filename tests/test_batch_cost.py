@@ -100,6 +100,21 @@ def test_drafting_pauses_while_drafts_do_not_pay_and_probes_again():
     assert [i for i, d in enumerate(drafted) if d] == [0, 2, 5, 10, 19, 36]
 
 
+def test_one_request_whose_drafts_pay_in_bursts_drafts_every_step():
+    """One step in four has a draft worth verifying: that step gains more than
+    drafting costs in the other three, so drafting never pauses (a pause after each
+    miss would skip the next burst)."""
+    table = measure_batch(synthetic, [1, 2, 4], repeats=1)
+    for _ in range(20):
+        table.refresh(1, 2, 32, synthetic(1, 2, 32), synthetic(1, 2, 32) + 0.001, 0.0005)
+    budget, never, sure = BatchBudget(table), Fixed(0.0), Fixed(0.95)
+    for step in range(40):
+        assert budget.step_drafts(), step
+        kept = budget.select([wide_tree()], [sure if step % 4 == 0 else never], [32])
+        if step % 4 == 0:
+            assert len(kept[0]) > 1, step
+
+
 def test_drafting_goes_on_while_drafts_pay():
     table = measure_batch(synthetic, [1, 2, 4], repeats=1)
     budget = BatchBudget(table)

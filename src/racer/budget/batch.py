@@ -56,12 +56,18 @@ class BatchBudget:
     model.
 
     Drafting itself costs time (proposing, choosing, the drafters' updates), which a
-    cap of 1 does not win back: when the best cap's rate, drafting included, is not
-    ``margin`` (10 %) better than the batch's without drafting, the step verifies bare
-    roots and the budget stops drafting for a while
-    (``step_drafts()`` is False: the decoder verifies bare roots and calls no drafter) and
-    then drafts one step again to see whether drafts pay now, waiting twice as long
-    after each miss, up to ``longest_pause`` steps.
+    cap of 1 does not win back. A cap above 1 is kept only when its rate, drafting
+    included, is ``margin`` (10 %) better than the batch's without drafting. Each
+    drafting step's advantage over not drafting (its rate over the plain rate, minus 1:
+    negative by the drafting cost in a step that keeps cap 1) enters a running mean;
+    while that mean is positive every step drafts, so a request whose drafts pay in
+    bursts (a retrieval match now and then) gets each burst. When the mean falls to 0
+    or below, drafting has cost more than it gave lately: the budget stops drafting
+    for a while (``step_drafts()`` is False: the decoder verifies bare roots and calls
+    no drafter), then drafts one step again to see whether drafts pay now, waiting
+    twice as long after each miss, up to ``longest_pause`` steps. With one request a
+    drafting step costs little beside its pass, so it seldom pauses; with many, a cap
+    of 1 wastes every row's drafting, and the mean turns negative within a few steps.
 
     The cap is chosen on each acceptance model's mean rates (``explore`` draws them
     from their posteriors instead, as the single-request budget does): the best of
@@ -73,10 +79,12 @@ class BatchBudget:
     whenever it promised anything at all ran below not drafting)."""
 
     def __init__(self, cost: object, seed: int = 0, longest_pause: int = 32, explore: bool = False,
-                 margin: float = 0.1) -> None:
+                 margin: float = 0.1, weight: float = 0.1) -> None:
         self.cost = as_batch_cost(cost)
         self.explore = explore
         self.margin = margin
+        self.weight = weight  # how fast the running advantage follows the latest steps
+        self.advantage = 0.0  # running mean of drafting steps' rate over the plain rate, minus 1
         self.rng = random.Random(seed)
         self.last_cap = 1
         self.longest_pause = longest_pause
@@ -109,9 +117,12 @@ class BatchBudget:
         cap, rate = best_cap([expected for _, expected in ranked], lambda n: predict(rows, n, longest), largest)
         plain = rows / predict(rows, 1, longest, drafting=False)
         if rate <= plain * (1.0 + self.margin):
-            cap = 1
+            cap, rate = 1, rows / predict(rows, 1, longest)
+        self.advantage += self.weight * (rate / plain - 1.0 - self.advantage)
+        if self.advantage <= 0:
             self._misses += 1
             self._pause = min(2 ** (self._misses - 1), self.longest_pause)
+            self.advantage = 0.0  # the probe after the pause judges afresh
         else:
             self._misses = 0
         self.last_cap = cap
