@@ -3,6 +3,8 @@
 #   make test       the whole test suite (what CI runs)
 # and, for the edit loop:
 #   make test-fast  unit tests and tiny models only (no real-model test)
+#   make browser    Debian's Chromium and its driver, for the chat page's browser test
+#                   (CI runs it; without them that one test is skipped)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -13,7 +15,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 METHOD ?= racer
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast install clean
+.PHONY: run test test-fast install browser clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,15 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(BIN)/.installed
+
+browser:
+	@if command -v chromium >/dev/null && { command -v chromedriver >/dev/null || [ -x /usr/lib/chromium/chromedriver ]; }; then \
+	  echo "browser: chromium and chromedriver are installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else \
+	  echo "browser: install Chromium and chromedriver (Debian: apt-get install chromium chromium-driver)"; \
+	fi
 
 run: $(BIN)/.installed
 	$(BIN)/racer generate "$(PROMPT)" --method $(METHOD) --compare --max-new-tokens 256

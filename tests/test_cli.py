@@ -54,6 +54,22 @@ def test_generate_with_auto_capacity_reports_the_budget(real, capsys):
     assert "draft budget:" in err and "nodes verified per step" in err
 
 
+def test_generate_json_gives_every_token_its_source_and_step(real, capsys):
+    import json
+
+    assert main(["generate", "Count from 1 to 12.", "--max-new-tokens", "24", "--threads", "1", "--json",
+                 "--compare", "--method", "racer:capacity=16"]) == 0
+    out = json.loads(capsys.readouterr().out)  # stdout is the JSON object alone
+    tokens = out["tokens"]
+    assert out["plain"]["identical"]
+    assert len(tokens) == 24 or out["stop_reason"] != "length"
+    assert "".join(t["text"] for t in tokens) == out["text"]
+    assert {t["source"] for t in tokens} <= {"retrieval", "logits", "both", "none"}
+    assert sum(out["provenance"].values()) == len(tokens)
+    assert [t["step"] for t in tokens] == sorted(t["step"] for t in tokens) and tokens[0]["step"] == 0
+    assert len(out["tree_sizes"]) == out["passes"] - 1 == tokens[-1]["step"]
+
+
 def test_cost_measures_on_refresh_then_reads_the_cache(real, capsys, tmp_path, monkeypatch):
     # A cache of its own (with the suite's converted model), so that the refresh does not
     # replace the table other tests in flight are reading.

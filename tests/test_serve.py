@@ -258,6 +258,63 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
+def _events(response) -> list[dict]:
+    events = []
+    for line in response.read().decode().split("\n"):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_racers_extension_says_which_source_drafted_each_run_of_text(server, alone):
+    question = QUESTIONS[3]
+    body = {**CHAT, "messages": [{"role": "user", "content": question}], "max_tokens": 64, "racer": True}
+    whole = _post(server, "/v1/chat/completions", body).json()
+    text, extension = whole["choices"][0]["message"]["content"], whole["racer"]
+    assert text == alone[question].text
+    assert sum(n for n, _, _ in extension["spans"]) == len(text)
+    assert {source for _, source, _ in extension["spans"]} <= {"retrieval", "logits", "both", "none"}
+    assert sum(extension["provenance"].values()) == whole["usage"]["completion_tokens"]
+    # The model's own token ends each pass (the last may be cut before it by max_tokens).
+    assert extension["passes"] - 1 <= extension["provenance"]["none"] <= extension["passes"]
+    assert len(extension["tree_sizes"]) == extension["passes"] - 1
+
+    connection, response = _open_stream(server, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    try:
+        events = _events(response)
+    finally:
+        connection.close()
+    pieces = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    assert "".join(e["choices"][0]["delta"]["content"] for e in pieces) == text
+    for event in pieces:  # each chunk's runs cover exactly its text
+        assert sum(n for n, _, _ in event["racer"]["spans"]) == len(event["choices"][0]["delta"]["content"])
+    # The streamed request drafts on its own (the server's drafter memory has seen the
+    # question once more): its chunks agree with its own final statistics.
+    final = next(e["racer"] for e in events if not e["choices"])
+    streamed = [run for e in pieces for run in e["racer"]["spans"]]
+    assert [(s, n) for c, s, n in streamed for _ in range(c)] == [(s, n) for c, s, n in final["spans"] for _ in range(c)]
+    steps = [step for e in events if "racer" in e and "steps" in e["racer"] for step in e["racer"]["steps"]]
+    assert sum(tokens for _, _, tokens, _ in steps) == whole["usage"]["completion_tokens"]
+    assert [nodes for step, nodes, _, _ in steps if step > 0] == final["tree_sizes"]
+    assert sum(drafted for *_, drafted in steps) == whole["usage"]["completion_tokens"] - final["provenance"]["none"]
+
+    plain = _post(server, "/v1/chat/completions", {**body, "racer": False}).json()
+    assert "racer" not in plain and plain["choices"][0]["message"]["content"] == text
+
+
+def test_the_chat_page_and_its_files_are_served_with_nothing_from_elsewhere(server):
+    page = get(server, "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    for name in ("chat.js", "chat.css"):
+        assert f"/static/{name}" in page.text
+        asset = get(server, f"/static/{name}")
+        assert asset.status_code == 200 and len(asset.text) > 500
+        assert "http://" not in asset.text and "https://" not in asset.text
+    assert "http://" not in page.text and "https://" not in page.text
+    assert get(server, "/static/missing.js").status_code == 404
+    assert get(server, "/health").json()["method"] == "racer"
+
+
 def _in_flight(server: str) -> int:
     return get(server, "/health").json()["in_flight"]
 

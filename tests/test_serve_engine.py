@@ -41,7 +41,7 @@ def test_requests_flow_through_the_thread(engine):
     engine.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
     items = drain(box)
     assert items[-1][0] == "done" and len(items[-1][1].tokens) == 12
-    assert sum((value for what, value in items if what == "tokens"), []) == items[-1][1].tokens
+    assert sum((value.tokens for what, value in items if what == "tokens"), []) == items[-1][1].tokens
     deadline = time.monotonic() + 5
     while engine.held and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Sequence
@@ -62,11 +63,21 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=_positive, default=256)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, no chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, every token with the draft source that proposed it and "
+                          "its pass, statistics) instead of streaming the text")
     gen.add_argument("--compare", action="store_true",
                      help="also run plain decoding (same sampling settings); print the speedup and, when "
                           "greedy, whether outputs are identical")
     _add_sampling_args(gen)
     _add_model_args(gen)
+
+    talk = sub.add_parser("chat", help="a terminal chat that tints each token by the draft source that proposed it")
+    talk.add_argument("--method", default="racer", help="draft method with options (default: racer; /method switches)")
+    talk.add_argument("--max-new-tokens", type=_positive, default=512)
+    talk.add_argument("--system", default=None, help="a system message to open every conversation with")
+    _add_sampling_args(talk)
+    _add_model_args(talk)
 
     sub.add_parser("methods", help="list draft methods and their options")
 
@@ -187,18 +198,23 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     Decoder(model, tokenizer, "none", check=False).generate(args.prompt, options, max_new_tokens=4)
 
     result = GenerationResult.empty()
-    for piece in decoder.stream(args.prompt, options, result=result):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    if args.json:
+        result = decoder.generate(args.prompt, options)
+    else:
+        for piece in decoder.stream(args.prompt, options, result=result):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     err.print(f"[bold]{args.method}[/]: {len(result.tokens)} tokens, {result.passes} passes, "
               f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
     if result.steps and method.auto:
         sizes = [s.tree_size for s in result.steps]
         err.print(f"draft budget: {sum(sizes) / len(sizes):.1f} nodes verified per step on average "
                   f"(of {sum(s.candidates for s in result.steps) / len(sizes):.1f} proposed), largest {max(sizes)}")
-    if args.compare:
-        plain = Decoder(model, tokenizer, "none").generate(args.prompt, options)
+    plain = Decoder(model, tokenizer, "none").generate(args.prompt, options) if args.compare else None
+    if args.json:
+        print(json.dumps(_generation_json(args.method, tokenizer, result, plain), ensure_ascii=False))
+    if plain is not None:
         speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
         greedy = args.temperature == 0
         err.print(f"[bold]plain {'greedy' if greedy else 'sampling'}[/]: {len(plain.tokens)} tokens, "
@@ -214,6 +230,38 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not same:
             return 1
     return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from transformers.utils import logging as hf_logging
+
+    from racer import GenerationOptions, load_model, parse_method
+    from racer.chat import Chat, run
+
+    parse_method(args.method)  # fail on a bad method before loading anything
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, **_sampling(args))
+    _setup_torch(args.threads)
+    hf_logging.disable_progress_bar()
+    console = Console(highlight=False, soft_wrap=True)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    return run(Chat(model, tokenizer, args.method, options, console, args.system), console.input)
+
+
+def _generation_json(method: str, tokenizer: object, result: object, plain: object) -> dict:
+    from racer import TokenSpans
+
+    pieces = TokenSpans.of(tokenizer, result).pieces()
+    out = {"method": method, "text": result.text, "stop_reason": result.stop_reason,
+           "tokens": [{"id": t, "text": p, "source": s, "step": n}
+                      for t, p, s, n in zip(result.tokens, pieces, result.token_sources, result.token_steps)],
+           "provenance": result.provenance, "passes": result.passes, "mat": round(result.mat, 4),
+           "tree_sizes": [s.tree_size for s in result.steps], "prefill_s": round(result.prefill_s, 4),
+           "wall_s": round(result.wall_s, 4), "tokens_per_s": round(result.tokens_per_s, 2)}
+    if plain is not None:
+        out["plain"] = {"wall_s": round(plain.wall_s, 4), "tokens_per_s": round(plain.tokens_per_s, 2),
+                        "identical": plain.tokens == result.tokens}
+    return out
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -357,6 +405,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_serve(args)
         if args.command == "bench-serve":
             return _cmd_bench_serve(args)
+        if args.command == "chat":
+            return _cmd_chat(args)
         return _cmd_generate(args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)

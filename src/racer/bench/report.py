@@ -165,7 +165,8 @@ def drafting_rows(records: Sequence[Record], methods: Sequence[str]) -> list[dic
         if ranks:
             row["rank1_share"] = ranks.get("1", 0) / sum(ranks.values())
         if sources:
-            row["retrieval_share"] = sources.get("retrieval", 0) / sum(sources.values())
+            # Tokens retrieval drafted, alone or with the copy-logit table.
+            row["retrieval_share"] = (sources.get("retrieval", 0) + sources.get("both", 0)) / sum(sources.values())
         rows.append(row)
     return rows
 

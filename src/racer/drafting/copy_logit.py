@@ -8,9 +8,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from racer.drafting.tree import TreeBuilder
+from racer.drafting.tree import LOGITS, TreeBuilder
 
-LOGITS_SOURCE = 2
+LOGITS_SOURCE = LOGITS
 
 
 def logits_feature(rank: int, depth: int) -> tuple:

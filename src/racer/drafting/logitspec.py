@@ -8,10 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from racer.drafting.base import Drafter, Needs
-from racer.drafting.tree import DraftTree, TreeBuilder
-
-ROOT_CHAIN_SOURCE = 1
-GUESS_SOURCE = 2
+from racer.drafting.tree import LOGITS, RETRIEVAL, DraftTree, TreeBuilder
 
 
 def tokens_kept(rank: int) -> int:
@@ -102,7 +99,7 @@ class LogitSpecDrafter(Drafter):
             return builder.full if self.merge else proposed >= room
 
         root_chain = self.index.lookup(tail)[:room]
-        builder.add_path(root_chain, ROOT_CHAIN_SOURCE,
+        builder.add_path(root_chain, RETRIEVAL,
                          features=[("context", min(d, 4)) for d in range(1, len(root_chain) + 1)])
         proposed += len(root_chain)
         rank = 0
@@ -116,7 +113,7 @@ class LogitSpecDrafter(Drafter):
             if not self.merge:
                 chain = chain[: room - proposed]
             tier = min(rank.bit_length(), 6)  # ranks 1, 2-3, 4-7, ... 32+
-            builder.add_path(chain, GUESS_SOURCE,
+            builder.add_path(chain, [LOGITS] + [RETRIEVAL] * (len(chain) - 1),
                              features=[("guess", tier)] + [("guess-context", min(d, 3)) for d in range(1, len(chain))])
             proposed += len(chain)
         return builder.build()

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from racer.drafting.base import Drafter
-from racer.drafting.tree import DraftTree, chain
+from racer.drafting.tree import RETRIEVAL, DraftTree, chain
 
 # variant: (max_ngram, where a continuation may start, what to do at an end token)
 _VARIANTS = {
@@ -93,7 +93,7 @@ class PromptLookupDrafter(Drafter):
     def draft(self, root: int, budget: int) -> DraftTree:
         self._buf[self._len] = root  # the root ends the context but is not committed yet
         proposal = self.lookup(self._buf[: self._len + 1])
-        return chain(root, proposal[: max(0, budget - 1)].tolist())
+        return chain(root, proposal[: max(0, budget - 1)].tolist(), RETRIEVAL)
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
         self._append([tree.tokens[i] for i in accepted])

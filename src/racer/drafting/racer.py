@@ -11,9 +11,9 @@ import numpy as np
 from racer.drafting.automaton import NgramAutomaton
 from racer.drafting.base import Drafter, Needs
 from racer.drafting.copy_logit import LOGITS_SOURCE, CopyLogitTable, expand_logits_tree, logits_feature
-from racer.drafting.tree import DraftTree, TreeBuilder
+from racer.drafting.tree import RETRIEVAL, DraftTree, TreeBuilder, source_name
 
-RETRIEVAL_SOURCE = 1
+RETRIEVAL_SOURCE = RETRIEVAL
 
 
 def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
@@ -107,9 +107,12 @@ class RacerDrafter(Drafter):
                 found = [max(found, key=lambda c: len(c.path))] if found else []
             for continuation in found:
                 parents = [root] + continuation.path[:-1]
-                features = [retrieval_feature(self._agreement(parent, token), continuation.border, ratio)
-                            for parent, token, ratio in zip(parents, continuation.path, continuation.ratios)]
-                builder.add_path(continuation.path, RETRIEVAL_SOURCE, features=features)
+                agreements = [self._agreement(parent, token) for parent, token in zip(parents, continuation.path)]
+                features = [retrieval_feature(agreement, continuation.border, ratio)
+                            for agreement, ratio in zip(agreements, continuation.ratios)]
+                # A retrieved token that its parent's copy-logit row also holds is both sources' draft.
+                sources = [RETRIEVAL_SOURCE | (LOGITS_SOURCE if agreement else 0) for agreement in agreements]
+                builder.add_path(continuation.path, sources, features=features)
         left = budget - len(builder)
         if self.use_logits and left > 0:
             if self.chain:
@@ -147,8 +150,7 @@ class RacerDrafter(Drafter):
             del ctx[: len(ctx) - self.n]
 
     def request_stats(self) -> dict:
-        stats = {"accepted_source": {("retrieval" if s == RETRIEVAL_SOURCE else "logits"): c
-                                     for s, c in sorted(self.accepted_by_source.items())},
+        stats = {"accepted_source": {source_name(s): c for s, c in sorted(self.accepted_by_source.items())},
                  "retrieval_nodes": self.automaton.live}
         if self.use_logits:  # ranks in a table that was never filled would read as "not in the row"
             stats["accepted_rank"] = {str(r): c for r, c in sorted(self.accepted_ranks.items())}

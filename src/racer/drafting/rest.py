@@ -9,7 +9,7 @@ import numpy as np
 
 from racer.drafting.base import Drafter
 from racer.drafting.datastore import SEPARATOR, Datastore
-from racer.drafting.tree import DraftTree, TreeBuilder
+from racer.drafting.tree import RETRIEVAL, DraftTree, TreeBuilder
 
 
 def top_prefixes(continuations: np.ndarray, k: int) -> list[tuple[int, ...]]:
@@ -102,7 +102,7 @@ class RestDrafter(Drafter):
             for order, prefix in enumerate(self.retrieve(self._tail + [root], budget - 1)):
                 # Prefixes come most frequent first: their order is the evidence.
                 tier = min((order + 1).bit_length(), 6)
-                builder.add_path(prefix, features=[("datastore", tier, min(d, 4)) for d in range(1, len(prefix) + 1)])
+                builder.add_path(prefix, RETRIEVAL, features=[("datastore", tier, min(d, 4)) for d in range(1, len(prefix) + 1)])
         return builder.build()
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:

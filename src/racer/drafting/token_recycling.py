@@ -10,7 +10,7 @@ import numpy as np
 
 from racer.drafting.base import Drafter, Needs
 from racer.drafting.copy_logit import CopyLogitTable, logits_feature
-from racer.drafting.tree import DraftTree, TreeBuilder
+from racer.drafting.tree import LOGITS, DraftTree, TreeBuilder
 
 
 def _parse_template(levels: Sequence[str]) -> tuple[tuple[int, ...], ...]:
@@ -68,7 +68,7 @@ class TokenRecyclingDrafter(Drafter):
                 continue
             row = self.table.row(builder.tokens[parent])
             if path[-1] < len(row):
-                node_of[path] = builder.add_child(parent, row[path[-1]], 0, logits_feature(path[-1], len(path)))
+                node_of[path] = builder.add_child(parent, row[path[-1]], LOGITS, logits_feature(path[-1], len(path)))
         return builder.build()
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:

@@ -7,6 +7,17 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+# Where a drafted node came from, as bits: a node both sources proposed carries both.
+RETRIEVAL = 1  # found in text: the context's n-grams, a datastore, a prompt lookup
+LOGITS = 2  # the model's own earlier predictions (copy-logit rows, the last logits)
+SOURCE_NAMES = ("none", "retrieval", "logits", "both")
+
+
+def source_name(bits: int) -> str:
+    """A node's provenance: "retrieval", "logits", "both", or "none" (no source: the
+    root, the model's own token, or a drafter that does not say)."""
+    return SOURCE_NAMES[bits & (RETRIEVAL | LOGITS)]
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -17,7 +28,7 @@ class DraftTree:
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     children: tuple[dict[int, int], ...] = field(repr=False)
-    # Optional per-node tag of where the drafter got the node from (statistics only).
+    # Optional per-node provenance bits (RETRIEVAL, LOGITS): statistics and display only.
     sources: tuple[int, ...] | None = field(default=None, repr=False)
     # Optional per-node evidence key (hashable, e.g. ("logits", rank, depth)) that the
     # draft budget learns acceptance rates by; None: the node's depth is all it knows.
@@ -108,12 +119,13 @@ class TreeBuilder:
         return len(self.tokens) >= self.capacity
 
     def add_child(self, parent: int, token: int, source: int = 0, feature: Hashable = None) -> int | None:
-        """Index of the child of ``parent`` carrying ``token``, created if needed (a
-        node keeps the source and feature it was created with); None when it would
-        exceed the capacity."""
+        """Index of the child of ``parent`` carrying ``token``, created if needed; None
+        when it would exceed the capacity. A node keeps the feature it was created
+        with and gains the source bits of every proposal of it."""
         token = int(token)
         existing = self.children[parent].get(token)
         if existing is not None:
+            self.sources[existing] |= source
             return existing
         if len(self.tokens) >= self.capacity:
             return None
@@ -127,15 +139,17 @@ class TreeBuilder:
         self.children[parent][token] = index
         return index
 
-    def add_path(self, tokens: Sequence[int], source: int = 0, parent: int = 0,
+    def add_path(self, tokens: Sequence[int], source: int | Sequence[int] = 0, parent: int = 0,
                  features: Sequence[Hashable] | None = None) -> int:
         """Add ``tokens`` below ``parent`` (the root by default), ``features[i]`` for
-        the i-th; returns how many nodes were created. Stops quietly at the capacity."""
+        the i-th, ``source`` for all of them or ``source[i]`` for each; returns how
+        many nodes were created. Stops quietly at the capacity."""
         created = 0
         node: int | None = parent
         for i, token in enumerate(tokens):
             before = len(self.tokens)
-            node = self.add_child(node, token, source, None if features is None else features[i])
+            bits = source if isinstance(source, int) else source[i]
+            node = self.add_child(node, token, bits, None if features is None else features[i])
             if node is None:
                 break
             created += len(self.tokens) - before
@@ -160,8 +174,8 @@ class TreeBuilder:
         )
 
 
-def chain(root: int, tokens: Sequence[int]) -> DraftTree:
-    """A single chain ``root, tokens...``."""
+def chain(root: int, tokens: Sequence[int], source: int = 0) -> DraftTree:
+    """A single chain ``root, tokens...``, every draft node of provenance ``source``."""
     builder = TreeBuilder(root, len(tokens) + 1)
-    builder.add_path(tokens)
+    builder.add_path(tokens, source)
     return builder.build()

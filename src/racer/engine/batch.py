@@ -37,6 +37,7 @@ from racer.engine.decoder import top_ids
 from racer.engine.host import synchronize, to_host
 from racer.engine.memory import DrafterPool
 from racer.engine.options import GenerationOptions, request_ids
+from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import WindowCheck, random_tree, self_test
@@ -49,11 +50,16 @@ from racer.fastpaths import FastPaths
 
 @dataclass
 class Update:
-    """What one step did for one request: the tokens it emitted, and whether it ended."""
+    """What one step did for one request: the tokens it emitted, and whether it ended;
+    each token's provenance (``GenerationResult.token_sources``), the pass's number in
+    the request (0: the prefill) and the nodes verified for it (0: no pass)."""
 
     request: int
     tokens: list[int]
     done: bool
+    sources: list[str] = field(default_factory=list)
+    step: int = 0
+    tree_size: int = 0
 
 
 @dataclass
@@ -292,9 +298,9 @@ class BatchDecoder:
         request.verifier, request.logits = None, []
         self._active.append(request)
         chunk = request.stopper.cut(request.result.tokens, [root])
-        request.result.tokens.extend(chunk.tokens)
+        request.result.extend(chunk.tokens, ["none"], 0)
         full = verifier.cached + 1 >= self.core.max_positions
-        updates.append(Update(request.id, chunk.tokens, chunk.done or full))
+        updates.append(Update(request.id, chunk.tokens, chunk.done or full, ["none"] * len(chunk.tokens), 0, 0))
         if chunk.done or full:
             self._finish(request, request.stopper.reason if chunk.done else "context")
 
@@ -341,11 +347,13 @@ class BatchDecoder:
             request.result.steps.append(StepStats(len(tree), len(path) - 1, drafted_at - start,
                                                   verified_at - drafted_at, proposed))
             chunk = request.stopper.cut(request.result.tokens, [tree.tokens[i] for i in path[1:]] + [following])
-            request.result.tokens.extend(chunk.tokens)
+            sources = accepted_sources(tree, path)[: len(chunk.tokens)]
+            request.result.extend(chunk.tokens, sources, len(request.result.steps))
             full = self.slots.state.lengths[request.row] + 1 >= self.core.max_positions
             if chunk.done or full:
                 ended.append((request, request.stopper.reason if chunk.done else "context"))
-            updates.append(Update(request.id, chunk.tokens, chunk.done or full))
+            updates.append(Update(request.id, chunk.tokens, chunk.done or full, sources, len(request.result.steps),
+                                  len(tree)))
         if budget is not None:
             budget.observe(len(trees), max(len(tree) for tree in trees), longest, verified_at - drafted_at,
                            time.perf_counter() - start, (drafted_at - start) + observing if drafting else None)

@@ -19,6 +19,7 @@ from racer.budget.calibration import announce_on_stderr, load_or_measure
 from racer.drafting import Drafter, Method, parse_method
 from racer.engine.host import to_host
 from racer.engine.options import GenerationOptions, request_ids
+from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import WindowCheck, self_test
@@ -100,8 +101,9 @@ class Decoder:
         ids = request_ids(self.tokenizer, prompt, options, self.verifier.max_positions)
         self.calibrate()
         request, chunk = self._prefill(ids, options, result)
+        sources = ["none"]
         while True:
-            result.tokens.extend(chunk.tokens)
+            result.extend(chunk.tokens, sources, len(result.steps))
             if chunk.tokens:
                 yield chunk.tokens
             room = self.verifier.max_positions - self.verifier.cached
@@ -110,7 +112,7 @@ class Decoder:
                 result.drafter_stats = self.drafter.request_stats()
                 self.budget.finish()
                 return
-            stats, chunk = self._step(request, min(self.method.draft_size, options.max_tree, room))
+            stats, chunk, sources = self._step(request, min(self.method.draft_size, options.max_tree, room))
             result.steps.append(stats)
 
     def _prefill(self, ids: list[int], options: GenerationOptions,
@@ -127,7 +129,7 @@ class Decoder:
         self.drafter.begin(ids, prompt_topk)
         return request, request.stopper.cut(result.tokens, [root])
 
-    def _step(self, request: _Request, size: int) -> tuple[StepStats, Chunk]:
+    def _step(self, request: _Request, size: int) -> tuple[StepStats, Chunk, list[str]]:
         self._windows.before(self.verifier.cached + size)
         emitted = request.result.tokens
         start = time.perf_counter()
@@ -144,7 +146,8 @@ class Decoder:
         self.budget.observe(tree, path, cached, observed - start)
         stats = StepStats(len(tree), len(path) - 1, (drafted - start) + (observed - verified), verified - drafted,
                           len(candidates))
-        return stats, request.stopper.cut(emitted, [tree.tokens[i] for i in path[1:]] + [following])
+        chunk = request.stopper.cut(emitted, [tree.tokens[i] for i in path[1:]] + [following])
+        return stats, chunk, accepted_sources(tree, path)
 
     def _accept(self, request: _Request, tree: Any, logits: torch.Tensor) -> tuple[list[int], int, np.ndarray | None]:
         """The accepted path, the token after it and the drafter's top-k ids, read from

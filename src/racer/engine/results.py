@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass
@@ -26,6 +28,11 @@ class GenerationResult:
     wall_s: float = 0.0
     stop_reason: str = "length"  # "eos", "stop", "length" or "context"
     drafter_stats: dict = field(default_factory=dict)
+    # Per emitted token: which draft source proposed it ("retrieval", "logits", "both",
+    # or "none": the model's own token that ends every pass) and the pass that
+    # emitted it (0: the prefill, i: ``steps[i - 1]``).
+    token_sources: list[str] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, prompt_tokens: int = 0) -> "GenerationResult":
@@ -34,6 +41,19 @@ class GenerationResult:
     def restart(self, prompt_tokens: int) -> None:
         """Empty this result in place for a new request: nothing of the last one stays."""
         self.__dict__.update(GenerationResult.empty(prompt_tokens).__dict__)
+
+    def extend(self, tokens: Sequence[int], sources: Sequence[str], step: int) -> None:
+        """Append a pass's emitted ``tokens`` (a prefix of what it accepted, when a stop
+        cut it) and their provenance (``sources``, as long as or longer than ``tokens``)."""
+        self.tokens.extend(tokens)
+        self.token_sources.extend(sources[: len(tokens)])
+        self.token_steps.extend([step] * len(tokens))
+
+    @property
+    def provenance(self) -> dict[str, int]:
+        """How many emitted tokens each source proposed (every name, zeros included)."""
+        counts = Counter(self.token_sources)
+        return {name: counts.get(name, 0) for name in ("retrieval", "logits", "both", "none")}
 
     @property
     def passes(self) -> int:
@@ -48,3 +68,4 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+

@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
-from racer import GenerationOptions, encode_prompt
+from racer import GenerationOptions, TokenSpans, encode_prompt
 from racer.serve import protocol
 from racer.serve.engine import Engine, QueueFull, asyncio_sink
 from racer.serve.metrics import Metrics
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+PAGE = Path(__file__).resolve().parent / "static"  # the chat page: plain HTML, CSS and JS, nothing fetched elsewhere
 
 
 MEMORY_SCOPES = ("request", "server", "user")
@@ -28,15 +31,17 @@ MEMORY_SCOPES = ("request", "server", "user")
 class Served:
     """What the routes need: the engine, the model's name and context, the tokenizer,
     and whose requests share drafter memory (``memory_scope``: ``request`` none,
-    ``server`` all, ``user`` those with the same ``user`` field; without one, none)."""
+    ``server`` all, ``user`` those with the same ``user`` field; without one, none);
+    ``method``: the draft method, as ``/health`` tells the chat page."""
 
     def __init__(self, engine: Engine, name: str, tokenizer: Any, context: int, api_key: str | None,
-                 default_max_tokens: int, metrics: Metrics, memory_scope: str = "server") -> None:
+                 default_max_tokens: int, metrics: Metrics, memory_scope: str = "server", method: str = "") -> None:
         if memory_scope not in MEMORY_SCOPES:
             raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
         self.engine, self.name, self.tokenizer, self.context = engine, name, tokenizer, context
         self.api_key, self.default_max_tokens, self.metrics = api_key, default_max_tokens, metrics
         self.memory_scope = memory_scope
+        self.method = method
 
     def scope(self, request: protocol.Request) -> Any:
         if self.memory_scope == "server":
@@ -78,7 +83,13 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": served.name, "in_flight": served.engine.held}
+        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.engine.held}
+
+    @app.get("/")
+    async def page() -> FileResponse:
+        return FileResponse(PAGE / "index.html", media_type="text/html")
+
+    app.mount("/static", StaticFiles(directory=PAGE), name="static")
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -142,7 +153,7 @@ async def complete(served: Served, kind: str, raw: bytes) -> Any:
     text, stopped = protocol.cut_at_stop(text, request.stop)
     finish = "stop" if stopped else _FINISH.get(result.stop_reason, "stop")
     served.metrics.finished(result, time.perf_counter() - started)
-    stats = _stats(result) if request.racer_stats else None
+    stats = _stats(result, TokenSpans.of(served.tokenizer, result).spans(0, len(text))) if request.racer_stats else None
     return protocol.response(request, served.name, text, finish, protocol.usage(len(ids), len(result.tokens)), stats)
 
 
@@ -151,7 +162,7 @@ async def _collect(box: "asyncio.Queue[tuple]") -> tuple[list[int], Any]:
     while True:
         what, value = await box.get()
         if what == "tokens":
-            tokens.extend(value)
+            tokens.extend(value.tokens)
         elif what == "done":
             return value.tokens, value
         elif what == "error":
@@ -162,9 +173,17 @@ async def _collect(box: "asyncio.Queue[tuple]") -> tuple[list[int], Any]:
                                     kind="server_error")
 
 
-def _stats(result: Any) -> dict:
-    return {"mat": round(result.mat, 3), "passes": result.passes, **protocol.draft_counts(result.steps),
-            "stop_reason": result.stop_reason, "completion_token_ids": list(result.tokens)}
+def _stats(result: Any, spans: list | None) -> dict:
+    """racer's extension of a response: the request's statistics, each completion
+    token's provenance counts and, as runs over the returned text, which source
+    drafted what: ``[characters, source, step]``
+    (``racer.TokenSpans``)."""
+    stats = {"mat": round(result.mat, 3), "passes": result.passes, **protocol.draft_counts(result.steps),
+             "stop_reason": result.stop_reason, "completion_token_ids": list(result.tokens),
+             "provenance": result.provenance, "tree_sizes": [s.tree_size for s in result.steps]}
+    if spans is not None:
+        stats["spans"] = spans
+    return stats
 
 
 def _sse(payload: dict) -> bytes:
@@ -174,18 +193,27 @@ def _sse(payload: dict) -> bytes:
 async def _stream(served: Served, request: protocol.Request, ids: list[int], box: "asyncio.Queue[tuple]",
                   ticket: Any, started: float) -> AsyncIterator[bytes]:
     """Chunks as tokens are accepted; text that might begin a stop string, or end in part
-    of a character, is held back until the next tokens decide it."""
+    of a character, is held back until the next tokens decide it. With racer's
+    extension each chunk also says which source drafted its text (runs ``[characters,
+    source, step]``) and which steps (``[step, nodes verified, tokens, of
+    which drafted]``) emitted tokens since the last chunk."""
     hold = max((len(s) for s in request.stop), default=1) - 1
     tokens: list[int] = []
     shown = ""
     result = None
+    spans = TokenSpans(served.tokenizer) if request.racer_stats else None
+    passes: list[list[int]] = []
     try:
         if request.kind == "chat":
             yield _sse(protocol.chunk(request, served.name, None, None, first=True))
         while result is None:
             what, value = await box.get()
             if what == "tokens":
-                tokens.extend(value)
+                tokens.extend(value.tokens)
+                if spans is not None:
+                    spans.add(value.tokens, value.sources, value.step)
+                    drafted = sum(source != "none" for source in value.sources)
+                    passes.append([value.step, value.tree_size, len(value.tokens), drafted])
             elif what == "done":
                 result = value
                 tokens = list(value.tokens)
@@ -200,15 +228,19 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
                 text = text[:-1] if text.endswith("\ufffd") else text
                 text = text[: max(len(text) - hold, len(shown))] if hold else text
             if len(text) > len(shown) and text.startswith(shown):
-                yield _sse(protocol.chunk(request, served.name, text[len(shown):], None))
+                extension = None
+                if spans is not None:
+                    extension, passes = {"spans": spans.spans(len(shown), len(text)), "steps": passes}, []
+                yield _sse(protocol.chunk(request, served.name, text[len(shown):], None, racer=extension))
                 shown = text
         final = protocol.cut_at_stop(served.tokenizer.decode(tokens, skip_special_tokens=True), request.stop)
         finish = "stop" if final[1] else _FINISH.get(result.stop_reason, "stop")
-        yield _sse(protocol.chunk(request, served.name, None, finish))
+        extension = {"spans": [], "steps": passes} if spans is not None else None
+        yield _sse(protocol.chunk(request, served.name, None, finish, racer=extension))
         served.metrics.finished(result, time.perf_counter() - started)
         if request.include_usage:
-            yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens)),
-                                            _stats(result) if request.racer_stats else None))
+            stats = _stats(result, spans.spans(0, len(final[0]))) if spans is not None else None
+            yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens)), stats))
         yield b"data: [DONE]\n\n"
     finally:
         if result is None:  # the client went away (or the request failed): free its row

@@ -167,7 +167,7 @@ class Engine:
                 if ticket is None:
                     continue
                 if update.tokens:
-                    ticket.deliver(("tokens", update.tokens))
+                    ticket.deliver(("tokens", update))
                 if update.done:  # counted out before the answer goes, so a client never sees it held
                     del self._tickets[update.request]
                     self._done(ticket)

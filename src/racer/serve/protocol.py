@@ -201,7 +201,8 @@ def parse_request(kind: str, body: dict, served: str) -> Request:
         raise bad("user", f"expected a string, got {type(user).__name__}")
     extras = body.get("racer", False)
     if not isinstance(extras, bool):
-        raise bad("racer", f"expected true or false (add racer's statistics to the response), got {extras!r}")
+        raise bad("racer", f"expected true or false (add racer's statistics and each token's draft source to the "
+                           f"response), got {extras!r}")
     return Request(kind, prompt, chat, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
                    _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed, stops, bool(stream),
                    include_usage, extras, user)
@@ -240,7 +241,8 @@ def response(request: Request, served: str, text: str, finish: str, used: dict, 
     return out
 
 
-def chunk(request: Request, served: str, text: str | None, finish: str | None, first: bool = False) -> dict:
+def chunk(request: Request, served: str, text: str | None, finish: str | None, first: bool = False,
+          racer: dict | None = None) -> dict:
     if request.kind == "chat":
         delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -249,6 +251,8 @@ def chunk(request: Request, served: str, text: str | None, finish: str | None, f
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         out = {"id": f"cmpl-{request.id}", "object": "text_completion"}
     out.update(created=request.created, model=served, choices=[choice])
+    if racer is not None:
+        out["racer"] = racer
     return out
 
 

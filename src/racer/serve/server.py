@@ -43,7 +43,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     model, tokenizer = decoder.model, decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope)
+    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method)
     app = create_app(served)
 
     @asynccontextmanager
