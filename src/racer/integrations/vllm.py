@@ -1,0 +1,211 @@
+"""RACER as a vLLM speculative proposer (``speculative_config={"method": "custom_class",
+"model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": K}``).
+
+vLLM verifies chains, not trees, and tells a proposer nothing but each batch row's
+context and the tokens it just sampled: no request ids, no logits. So the core here,
+``ChainDrafts``, is plain Python over racer's drafters: it ties a drafter to each batch
+row by checking that the row still holds the context it drafted for (a request that
+moved, was preempted or finished no longer does, and its drafter goes back to a bounded
+pool of idle ones whose memory the next request inherits), learns what was accepted
+from what the row sampled, and turns racer's tree into the one chain its acceptance
+model rates best. ``RacerProposer`` is the thin shell vLLM builds; the model's top-k at
+every verified position (RACER's copy-logit table) comes from a wrapper around the
+target model's ``compute_logits``. vLLM itself is imported by nobody here: racer never
+depends on it.
+
+The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from racer import AcceptanceModel, DraftTree, parse_method
+from racer.drafting.tree import TreeBuilder
+
+PREFIX = 32  # how many leading tokens identify a row's request
+
+
+def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int) -> list[int]:
+    """Node indices (root excluded) of the root-to-node path of at most ``limit`` draft
+    tokens whose expected accepted length, the sum of its path probabilities, is largest."""
+    path_p = [1.0] * len(tree)
+    gain = [0.0] * len(tree)
+    for i in range(1, len(tree)):
+        parent = tree.parents[i]
+        path_p[i] = path_p[parent] * probabilities[i]
+        gain[i] = gain[parent] + path_p[i]
+    best, best_gain = 0, 0.0
+    for i in range(1, len(tree)):
+        if tree.depths[i] <= limit and gain[i] > best_gain:
+            best, best_gain = i, gain[i]
+    return tree.path_to(best)[1:] if best else []
+
+
+def as_chain(tree: DraftTree, nodes: Sequence[int]) -> DraftTree:
+    """The chain of ``nodes`` as a tree of its own, keeping each node's source and
+    evidence key (what the drafter and the acceptance model learn from)."""
+    builder = TreeBuilder(tree.tokens[0], len(nodes) + 1)
+    parent = 0
+    for node in nodes:
+        parent = builder.add_child(parent, tree.tokens[node], tree.sources[node] if tree.sources else 0,
+                                   tree.features[node] if tree.features else None)
+    return builder.build()
+
+
+@dataclass
+class _Row:
+    drafter: Any
+    acceptance: AcceptanceModel
+    prefix: tuple[int, ...]  # the request's first tokens
+    length: int  # context length when it last drafted, root included
+    chain: DraftTree | None  # the chain it proposed then
+
+
+class ChainDrafts:
+    """Per batch row, a racer drafter and the chain it proposes next."""
+
+    def __init__(self, method: str = "racer", tokens: int = 5, idle: int = 32,
+                 end_ids: set[int] | None = None, tokenizer: Any = None) -> None:
+        self.method, self.tokens, self.idle_limit = method, tokens, idle
+        self.end_ids, self.tokenizer = set(end_ids or ()), tokenizer
+        self.size = parse_method(method).draft_size  # a bad spec fails here, not at the first step
+        self.rows: dict[int, _Row] = {}
+        self.idle: list[tuple[Any, AcceptanceModel]] = []  # most recently freed last
+        self.started = 0  # requests a row began drafting for
+        self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
+
+    def _take(self) -> tuple[Any, AcceptanceModel]:
+        if self.idle:
+            return self.idle.pop()
+        drafter = parse_method(self.method).drafter
+        drafter.attach(self.tokenizer, self.end_ids)
+        return drafter, AcceptanceModel()
+
+    def _free(self, row: int) -> None:
+        state = self.rows.pop(row, None)
+        if state is not None:
+            self.idle.append((state.drafter, state.acceptance))
+            del self.idle[: max(0, len(self.idle) - self.idle_limit)]
+
+    def propose(self, sampled: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]],
+                topk: Callable[[int], np.ndarray | None] = lambda row: None) -> list[list[int]]:
+        """One step: ``sampled[i]`` the tokens row i just emitted (empty: still in
+        prefill), ``contexts[i]`` its whole context (those tokens included);
+        ``topk(i)``: the model's top-k ids at each position row i's last chain was
+        verified at (root first), if known. Returns each row's next chain."""
+        for row in [r for r in self.rows if r >= len(sampled)]:
+            self._free(row)  # the batch shrank: those requests finished
+        out: list[list[int]] = []
+        for row, (new, context) in enumerate(zip(sampled, contexts)):
+            if not new:
+                self._free(row)
+                out.append([])
+                continue
+            out.append(self._row(row, list(new), [int(t) for t in context], topk))
+        return out
+
+    def _row(self, row: int, new: list[int], context: list[int], topk: Callable) -> list[int]:
+        state = self.rows.get(row)
+        if state is not None and not self._continues(state, new, context):
+            self._free(row)
+            self.rebuilt += 1
+            state = None
+        if state is None:
+            self.started += 1
+            drafter, acceptance = self._take()
+            drafter.begin(context[:-1], None)
+            state = self.rows[row] = _Row(drafter, acceptance, tuple(context[:PREFIX]), len(context), None)
+        elif state.chain is not None:
+            accepted = len(new) - 1  # the row sampled its accepted drafts, then one token of its own
+            path = list(range(accepted + 1))
+            rows_topk = topk(row)
+            if rows_topk is not None and len(rows_topk) != len(state.chain):
+                rows_topk = None
+            state.drafter.observe(state.chain, rows_topk, path)
+            state.acceptance.observe(state.chain, path)
+        state.length = len(context)
+        tree = state.drafter.draft(context[-1], self.size)
+        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens)
+        state.chain = as_chain(tree, nodes)
+        return [tree.tokens[i] for i in nodes]
+
+    @staticmethod
+    def _continues(state: _Row, new: list[int], context: list[int]) -> bool:
+        """Whether the row still holds the request it drafted for: the same first tokens,
+        its context grown by exactly what it sampled, and the accepted tokens the
+        chain's own."""
+        if tuple(context[: len(state.prefix)]) != state.prefix or len(context) != state.length + len(new):
+            return False
+        if state.chain is None:
+            return True
+        chain = list(state.chain.tokens[1:])
+        return (len(new) <= len(chain) + 1 and new[:-1] == chain[: len(new) - 1]
+                and context[state.length - 1] == state.chain.tokens[0])
+
+
+class RacerProposer:
+    """What vLLM's ``custom_class`` speculative method builds: ``RacerProposer(vllm_config)``,
+    then ``load_model(target_model)`` and ``propose(...)`` each step."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        spec = vllm_config.speculative_config
+        model_config = vllm_config.model_config
+        config = model_config.hf_config
+        eos = getattr(config, "eos_token_id", None)
+        end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
+                                  idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids)
+        self.needs_topk = parse_method(self.drafts.method).drafter.needs.topk
+        self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
+
+    def load_model(self, target_model: Any) -> None:
+        """Wrap the target's ``compute_logits``: each call's top-k ids (one row per
+        verified position, the batch's rows in order) are kept for the next ``propose``."""
+        if not self.needs_topk:
+            return
+        import torch
+
+        from racer.engine.host import to_host
+
+        inner = target_model.compute_logits
+        k = self.needs_topk
+
+        def compute_logits(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+            logits = inner(hidden_states, *args, **kwargs)
+            if logits is not None:
+                with torch.no_grad():
+                    self._logits_rows = to_host(torch.topk(logits, k, dim=-1).indices)
+            return logits
+
+        target_model.compute_logits = compute_logits
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
+                slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
+        rows = self._logits_rows
+        self._logits_rows = None
+        spans = self._spans(sampled_token_ids, rows)
+        return self.drafts.propose(sampled_token_ids, contexts, lambda row: spans.get(row))
+
+    def _spans(self, sampled: list[list[int]], rows: np.ndarray | None) -> dict[int, np.ndarray]:
+        """Each row's slice of the last pass's top-k: its last chain's positions plus
+        one, in batch order; nothing when the counts do not add up (a row in prefill
+        has one position; a new row none the drafter could use)."""
+        if rows is None:
+            return {}
+        sizes = []
+        for row in range(len(sampled)):
+            state = self.drafts.rows.get(row)
+            sizes.append(len(state.chain) if state is not None and state.chain is not None else 1)
+        if sum(sizes) != len(rows):
+            return {}
+        out, at = {}, 0
+        for row, size in enumerate(sizes):
+            out[row] = rows[at : at + size]
+            at += size
+        return out

@@ -1,0 +1,103 @@
+"""The pure core of racer's vLLM proposer (``racer.integrations.vllm.ChainDrafts``):
+no vLLM needed. It must follow requests through batch rows that are reordered,
+preempted, refilled and finished, with nothing but each row's context to go on."""
+
+from __future__ import annotations
+
+import sys
+
+from racer.drafting.tree import TreeBuilder
+from racer.integrations.vllm import ChainDrafts, best_chain
+
+TEXT = [5, 6, 7, 8, 9, 10, 11, 12] * 4  # repetitive: RACER's retrieval drafts its continuation
+
+
+class Verifier:
+    """Stands in for vLLM: each request continues ``TEXT``-like text; a chain is
+    accepted as far as it matches the true continuation, then one token of its own."""
+
+    def __init__(self, truth: list[int], prompt: int) -> None:
+        self.truth, self.context = truth, truth[:prompt]
+
+    def step(self, chain: list[int]) -> list[int]:
+        at = len(self.context)
+        accepted = 0
+        while accepted < len(chain) and at + accepted < len(self.truth) and chain[accepted] == self.truth[at + accepted]:
+            accepted += 1
+        new = self.truth[at : at + accepted + 1]
+        self.context = self.context + new
+        return new
+
+
+def run(drafts: ChainDrafts, requests: list[Verifier], chains: list[list[int]]) -> tuple[list, list]:
+    sampled = [r.step(c) for r, c in zip(requests, chains)]
+    return sampled, drafts.propose(sampled, [r.context for r in requests])
+
+
+def test_the_best_chain_maximises_expected_accepted_tokens_within_the_limit():
+    builder = TreeBuilder(0, 8)
+    builder.add_path([1, 2, 3])  # a long chain of middling nodes
+    builder.add_child(0, 4)  # one sure node
+    tree = builder.build()
+    index = {tree.tokens[i]: i for i in range(len(tree))}
+    probs = [1.0] * len(tree)
+    for token, p in ((1, 0.6), (2, 0.6), (3, 0.6), (4, 0.95)):
+        probs[index[token]] = p
+    assert [tree.tokens[i] for i in best_chain(tree, probs, 3)] == [1, 2, 3]  # 0.6 + 0.36 + 0.216 > 0.95
+    assert [tree.tokens[i] for i in best_chain(tree, probs, 1)] == [4]
+    assert best_chain(tree, [1.0] + [0.0] * (len(tree) - 1), 3) == []
+
+
+def test_a_request_drafts_its_repeated_text_and_accepts_it():
+    drafts = ChainDrafts("racer", tokens=5)
+    request = Verifier(TEXT + [99], prompt=12)
+    first = request.context[:-1] + [request.context[-1]]
+    chains = drafts.propose([[first[-1]]], [request.context])
+    accepted = 0
+    for _ in range(6):
+        sampled, chains = run(drafts, [request], chains)
+        accepted += len(sampled[0]) - 1
+    assert accepted >= 10 and drafts.rebuilt == 0
+
+
+def test_rows_follow_their_requests_through_reordering_preemption_and_finishing():
+    drafts = ChainDrafts("racer", tokens=4, idle=2)
+    a = Verifier(TEXT, prompt=9)
+    b = Verifier([40, 41, 42, 43] * 8, prompt=6)
+    chains = drafts.propose([[a.context[-1]], [b.context[-1]]], [a.context, b.context])
+    for _ in range(2):
+        sampled, chains = run(drafts, [a, b], chains)
+    assert drafts.rebuilt == 0 and set(drafts.rows) == {0, 1}
+    # vLLM swaps the rows: each row's context is now the other request's. Both are seen
+    # as changed and get fresh state, and the chains drafted are each request's own.
+    b_chain, a_chain = chains[1], chains[0]
+    sampled = [b.step(b_chain), a.step(a_chain)]
+    chains = drafts.propose(sampled, [b.context, a.context])
+    assert drafts.rebuilt == 2
+    assert all(t in (40, 41, 42, 43) for t in chains[0]) and all(t in TEXT for t in chains[1])
+    # Request b is preempted (row 0 in prefill again: no sampled tokens), then finishes
+    # with the batch shrinking to one row.
+    chains = drafts.propose([[], a.step(chains[1])], [b.context, a.context])
+    assert chains[0] == [] and 0 not in drafts.rows
+    a_drafter = drafts.rows[1].drafter
+    chains = drafts.propose([a.step(chains[1])], [a.context])
+    # Row 1 left (the batch shrank) and a now sits in the free row 0: fresh state there,
+    # with the drafter freed last (a's own), so its memory carries on.
+    assert set(drafts.rows) == {0} and drafts.rows[0].drafter is a_drafter and drafts.rebuilt == 2
+    assert all(t in TEXT for t in chains[0])
+    assert len(drafts.idle) <= 2  # the idle memory kept is bounded
+
+
+def test_a_drafted_chain_that_the_row_did_not_accept_as_proposed_rebuilds_the_row():
+    drafts = ChainDrafts("racer", tokens=4)
+    a = Verifier(TEXT, prompt=12)
+    chains = drafts.propose([[a.context[-1]]], [a.context])
+    assert chains[0]  # something to verify
+    # The row sampled a token that contradicts its accepted draft: another request now.
+    other = [77] * 12 + [chains[0][0] + 1000, 78]
+    drafts.propose([[chains[0][0] + 1000, 78]], [other])
+    assert drafts.rebuilt == 1
+
+
+def test_the_module_does_not_import_vllm():
+    assert "vllm" not in sys.modules or not hasattr(sys.modules["vllm"], "LLM")
