@@ -4,6 +4,7 @@ page or a terminal to tint."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any, Sequence
 
 from racer.drafting.tree import DraftTree, source_name
@@ -59,7 +60,7 @@ class TokenSpans:
     def spans(self, start: int = 0, end: int | None = None) -> list[list]:
         end = len(self.text) if end is None else end
         runs: list[list] = []
-        token = 0
+        token = min(bisect_right(self.ends, start), max(len(self.ends) - 1, 0))  # the token holding ``start``
         for position in range(start, end):
             while token < len(self.ends) - 1 and self.ends[token] <= position:
                 token += 1

@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from racer.drafting.tree import SOURCE_NAMES
+
 
 @dataclass
 class StepStats:
@@ -53,7 +55,7 @@ class GenerationResult:
     def provenance(self) -> dict[str, int]:
         """How many emitted tokens each source proposed (every name, zeros included)."""
         counts = Counter(self.token_sources)
-        return {name: counts.get(name, 0) for name in ("retrieval", "logits", "both", "none")}
+        return {name: counts.get(name, 0) for name in SOURCE_NAMES[1:] + SOURCE_NAMES[:1]}
 
     @property
     def passes(self) -> int:
@@ -68,4 +70,3 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
-

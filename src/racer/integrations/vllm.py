@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from racer import AcceptanceModel, DraftTree, parse_method
-from racer.drafting.tree import TreeBuilder
+from racer.budget.selection import path_probabilities
 
 PREFIX = 32  # how many leading tokens identify a row's request
 
@@ -33,28 +33,15 @@ PREFIX = 32  # how many leading tokens identify a row's request
 def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int) -> list[int]:
     """Node indices (root excluded) of the root-to-node path of at most ``limit`` draft
     tokens whose expected accepted length, the sum of its path probabilities, is largest."""
-    path_p = [1.0] * len(tree)
+    path_p = path_probabilities(tree.parents, probabilities)
     gain = [0.0] * len(tree)
     for i in range(1, len(tree)):
-        parent = tree.parents[i]
-        path_p[i] = path_p[parent] * probabilities[i]
-        gain[i] = gain[parent] + path_p[i]
+        gain[i] = gain[tree.parents[i]] + path_p[i]
     best, best_gain = 0, 0.0
     for i in range(1, len(tree)):
         if tree.depths[i] <= limit and gain[i] > best_gain:
             best, best_gain = i, gain[i]
     return tree.path_to(best)[1:] if best else []
-
-
-def as_chain(tree: DraftTree, nodes: Sequence[int]) -> DraftTree:
-    """The chain of ``nodes`` as a tree of its own, keeping each node's source and
-    evidence key (what the drafter and the acceptance model learn from)."""
-    builder = TreeBuilder(tree.tokens[0], len(nodes) + 1)
-    parent = 0
-    for node in nodes:
-        parent = builder.add_child(parent, tree.tokens[node], tree.sources[node] if tree.sources else 0,
-                                   tree.features[node] if tree.features else None)
-    return builder.build()
 
 
 @dataclass
@@ -73,7 +60,8 @@ class ChainDrafts:
                  end_ids: set[int] | None = None, tokenizer: Any = None) -> None:
         self.method, self.tokens, self.idle_limit = method, tokens, idle
         self.end_ids, self.tokenizer = set(end_ids or ()), tokenizer
-        self.size = parse_method(method).draft_size  # a bad spec fails here, not at the first step
+        parsed = parse_method(method)  # a bad spec fails here, not at the first step
+        self.size, self.needs = parsed.draft_size, parsed.drafter.needs
         self.rows: dict[int, _Row] = {}
         self.idle: list[tuple[Any, AcceptanceModel]] = []  # most recently freed last
         self.started = 0  # requests a row began drafting for
@@ -131,7 +119,8 @@ class ChainDrafts:
         state.length = len(context)
         tree = state.drafter.draft(context[-1], self.size)
         nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens)
-        state.chain = as_chain(tree, nodes)
+        # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
+        state.chain = tree.subtree([0] + nodes)
         return [tree.tokens[i] for i in nodes]
 
     @staticmethod
@@ -160,7 +149,7 @@ class RacerProposer:
         end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids)
-        self.needs_topk = parse_method(self.drafts.method).drafter.needs.topk
+        self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
 
     def load_model(self, target_model: Any) -> None:

@@ -222,7 +222,8 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
                 yield _sse({"error": {"message": f"{message}: {value}", "type": "server_error", "param": None,
                                       "code": None}})
                 return
-            text = served.tokenizer.decode(tokens, skip_special_tokens=True)
+            # The spans decode the same tokens already: one decoding an update, not two.
+            text = spans.text if spans is not None else served.tokenizer.decode(tokens, skip_special_tokens=True)
             text, stopped = protocol.cut_at_stop(text, request.stop)
             if result is None and not stopped:
                 text = text[:-1] if text.endswith("\ufffd") else text
