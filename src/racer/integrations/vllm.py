@@ -30,16 +30,19 @@ from racer.budget.selection import path_probabilities
 PREFIX = 32  # how many leading tokens identify a row's request
 
 
-def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int) -> list[int]:
+def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int, min_prob: float = 0.0) -> list[int]:
     """Node indices (root excluded) of the root-to-node path of at most ``limit`` draft
-    tokens whose expected accepted length, the sum of its path probabilities, is largest."""
+    tokens whose expected accepted length, the sum of its path probabilities, is largest,
+    among nodes reached with probability ``min_prob`` or more: vLLM verifies every token
+    it is given, so a token unlikely to be reached costs a position of the pass for
+    little."""
     path_p = path_probabilities(tree.parents, probabilities)
     gain = [0.0] * len(tree)
     for i in range(1, len(tree)):
         gain[i] = gain[tree.parents[i]] + path_p[i]
     best, best_gain = 0, 0.0
     for i in range(1, len(tree)):
-        if tree.depths[i] <= limit and gain[i] > best_gain:
+        if tree.depths[i] <= limit and path_p[i] >= min_prob and gain[i] > best_gain:
             best, best_gain = i, gain[i]
     return tree.path_to(best)[1:] if best else []
 
@@ -57,8 +60,10 @@ class ChainDrafts:
     """Per batch row, a racer drafter and the chain it proposes next."""
 
     def __init__(self, method: str = "racer", tokens: int = 5, idle: int = 32,
-                 end_ids: set[int] | None = None, tokenizer: Any = None) -> None:
-        self.method, self.tokens, self.idle_limit = method, tokens, idle
+                 end_ids: set[int] | None = None, tokenizer: Any = None, min_prob: float = 0.0) -> None:
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob: expected a probability in [0, 1], got {min_prob}")
+        self.method, self.tokens, self.idle_limit, self.min_prob = method, tokens, idle, min_prob
         self.end_ids, self.tokenizer = set(end_ids or ()), tokenizer
         parsed = parse_method(method)  # a bad spec fails here, not at the first step
         self.size, self.needs = parsed.draft_size, parsed.drafter.needs
@@ -118,7 +123,7 @@ class ChainDrafts:
             state.acceptance.observe(state.chain, path)
         state.length = len(context)
         tree = state.drafter.draft(context[-1], self.size)
-        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens)
+        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens, self.min_prob)
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
         return [tree.tokens[i] for i in nodes]
@@ -137,6 +142,18 @@ class ChainDrafts:
                 and context[state.length - 1] == state.chain.tokens[0])
 
 
+def min_prob_from_env(default: float = 0.0) -> float:
+    """``RACER_VLLM_MIN_PROB``: the least probability of being reached that a chain's
+    last token may have."""
+    text = os.environ.get("RACER_VLLM_MIN_PROB")
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"RACER_VLLM_MIN_PROB: expected a probability in [0, 1], got {text!r}") from None
+
+
 class RacerProposer:
     """What vLLM's ``custom_class`` speculative method builds: ``RacerProposer(vllm_config)``,
     then ``load_model(target_model)`` and ``propose(...)`` each step."""
@@ -148,7 +165,8 @@ class RacerProposer:
         eos = getattr(config, "eos_token_id", None)
         end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
-                                  idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids)
+                                  idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
+                                  min_prob=min_prob_from_env())
         self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
 
