@@ -61,8 +61,9 @@ def test_every_vllm_method_has_its_speculative_config_and_a_bad_name_is_refused(
     assert vllm_speculative_config("none", 5) is None
     assert vllm_speculative_config("ngram", 4) == {"method": "ngram", "num_speculative_tokens": 4}
     assert vllm_speculative_config("ngram3", 5)["prompt_lookup_max"] == 3
-    assert vllm_speculative_config("racer", 6) == {
-        "method": "custom_class", "model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": 6}
+    assert vllm_speculative_config("racer", 5, racer_tokens=12) == {
+        "method": "custom_class", "model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": 12}
+    assert vllm_speculative_config("racer")["num_speculative_tokens"] == 16
     assert set(VLLM_METHODS) == {"none", "ngram", "ngram3", "suffix", "racer"}
     with pytest.raises(ValueError, match="--vllm-methods.*'eagle'"):
         vllm_speculative_config("eagle", 5)
@@ -77,11 +78,12 @@ def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, mon
 
     monkeypatch.setattr("racer.bench.serving.subprocess.Popen", Popen)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    server = vllm_server("racer", 8123, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path)
+    server = vllm_server("racer", 8123, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path,
+                         racer_tokens=10)
     command = started["command"]
     assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     spec = json.loads(command[command.index("--speculative-config") + 1])
-    assert spec["model"] == "racer.integrations.vllm.RacerProposer" and spec["num_speculative_tokens"] == 5
+    assert spec["model"] == "racer.integrations.vllm.RacerProposer" and spec["num_speculative_tokens"] == 10
     assert command[command.index("--served-model-name") + 1] == "smol" and "--enforce-eager" in command
     env = started["env"]
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

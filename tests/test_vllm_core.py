@@ -74,8 +74,46 @@ def test_a_probability_floor_shortens_chains_and_a_bad_one_is_refused(monkeypatc
     monkeypatch.setenv("RACER_VLLM_MIN_PROB", "often")
     with pytest.raises(ValueError, match="RACER_VLLM_MIN_PROB"):
         min_prob_from_env()
+    monkeypatch.setenv("RACER_VLLM_MIN_PROB", "1.5")
+    with pytest.raises(ValueError, match="RACER_VLLM_MIN_PROB"):
+        min_prob_from_env()
     monkeypatch.setenv("RACER_VLLM_MIN_PROB", "0.2")
     assert min_prob_from_env() == 0.2
+    monkeypatch.delenv("RACER_VLLM_MIN_PROB")
+    assert min_prob_from_env() is None  # auto: measured (racer.budget.chain)
+
+
+def test_the_proposer_times_only_steps_that_decoded_the_same_requests(monkeypatch):
+    import numpy as np
+    from types import SimpleNamespace as NS
+
+    from racer.integrations.vllm import RacerProposer
+
+    monkeypatch.delenv("RACER_VLLM_MIN_PROB", raising=False)
+    config = NS(speculative_config=NS(num_speculative_tokens=4), model_config=NS(hf_config=NS(eos_token_id=2)),
+                scheduler_config=NS(max_num_seqs=4))
+    proposer = RacerProposer(config)
+
+    def call(requests: list[Verifier], sampled: list[list[int]]) -> list[list[int]]:
+        width = max(len(r.context) for r in requests)
+        ids = np.zeros((len(requests), width), dtype=np.int64)
+        for i, r in enumerate(requests):
+            ids[i, : len(r.context)] = r.context
+        return proposer.propose(sampled, np.array([len(r.context) for r in requests]), ids)
+
+    a = Verifier(TEXT + [99], prompt=12)
+    chains = call([a], [[a.context[-1]]])  # a's first step: its prefill was in the pass
+    assert len(proposer.budget.steps) == 0
+    for _ in range(3):
+        chains = call([a], [a.step(chains[0])])
+    assert len(proposer.budget.steps) == 3
+    rows, drafted, emitted, seconds = proposer.budget.steps[-1]
+    assert rows == 1 and emitted >= 1 and seconds > 0
+    b = Verifier([40, 41, 42, 43] * 8, prompt=6)
+    chains = call([a, b], [a.step(chains[0]), [b.context[-1]]])  # b joins: not a decoding step
+    assert len(proposer.budget.steps) == 3
+    call([a, b], [a.step(chains[0]), b.step(chains[1])])
+    assert len(proposer.budget.steps) == 4 and proposer.budget.steps[-1][0] == 2
 
 
 def test_a_request_drafts_its_repeated_text_and_accepts_it():

@@ -139,7 +139,9 @@ def _build_parser() -> argparse.ArgumentParser:
                            "(prompt_lookup_max 3), suffix (needs arctic-inference), racer (racer's proposer); "
                            "the first is the table's baseline (default: all five)")
     load.add_argument("--vllm-tokens", type=_positive, default=5,
-                      help="num_speculative_tokens of vLLM's ngram and racer proposers (default: 5)")
+                      help="num_speculative_tokens of vLLM's ngram proposers (default: 5)")
+    load.add_argument("--vllm-racer-tokens", type=_positive, default=16,
+                      help="num_speculative_tokens of racer's proposer, the longest chain (default: 16)")
     load.add_argument("--fresh-servers", action="store_true",
                       help="start every server for each load and stop it after (memory for one server at a "
                            "time; the default with --vllm)")
@@ -400,12 +402,13 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
     vllm_methods = [m for m in args.vllm_methods.split(",") if m]
     for method in vllm_methods:
-        vllm_speculative_config(method, args.vllm_tokens)  # a bad name fails before any server starts
+        vllm_speculative_config(method)  # a bad name fails before any server starts
     if args.vllm and not Path(args.vllm).is_file():
         raise ValueError(f"--vllm: no Python at {args.vllm} (make vllm-env builds .venv-vllm/bin/python)")
     loads = bench_serve(methods, concurrency, args.max_tokens, args.per_client, not args.no_anchor, Path(args.out),
                         args.model, args.dtype, args.threads, args.max_batch, args.rounds,
                         vllm=args.vllm, vllm_methods=vllm_methods, vllm_tokens=args.vllm_tokens,
+                        vllm_racer_tokens=args.vllm_racer_tokens,
                         fresh=args.fresh_servers or bool(args.vllm))
     return 0 if loads and not any(load.errors for load in loads) else 1
 

@@ -20,7 +20,7 @@ from conftest import LOSSLESS_NEW_TOKENS, lossless_questions  # noqa: E402
 from racer.bench.questions import load_questions  # noqa: E402
 from racer.loading import model_folder  # noqa: E402
 
-RACER = {"method": "custom_class", "model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": 5}
+RACER = {"method": "custom_class", "model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": 16}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}
 
 

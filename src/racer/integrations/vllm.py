@@ -1,5 +1,6 @@
 """RACER as a vLLM speculative proposer (``speculative_config={"method": "custom_class",
-"model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": K}``).
+"model": "racer.integrations.vllm.RacerProposer", "num_speculative_tokens": K}``; K is
+the longest chain, 16 recommended: the chain budget cuts each to what pays).
 
 vLLM verifies chains, not trees, and tells a proposer nothing but each batch row's
 context and the tokens it just sampled: no request ids, no logits. So the core here,
@@ -13,18 +14,23 @@ every verified position (RACER's copy-logit table) comes from a wrapper around t
 target model's ``compute_logits``. vLLM itself is imported by nobody here: racer never
 depends on it.
 
-The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``).
+The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``). vLLM
+verifies every token of a chain, so a chain ends where its next token is less likely to
+be reached than a verified position costs: the floor from ``racer.budget.chain``, fitted
+to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` when set.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from racer import AcceptanceModel, DraftTree, parse_method
+from racer.budget.chain import ChainBudget
 from racer.budget.selection import path_probabilities
 
 PREFIX = 32  # how many leading tokens identify a row's request
@@ -86,11 +92,14 @@ class ChainDrafts:
             del self.idle[: max(0, len(self.idle) - self.idle_limit)]
 
     def propose(self, sampled: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]],
-                topk: Callable[[int], np.ndarray | None] = lambda row: None) -> list[list[int]]:
+                topk: Callable[[int], np.ndarray | None] = lambda row: None,
+                min_prob: float | None = None) -> list[list[int]]:
         """One step: ``sampled[i]`` the tokens row i just emitted (empty: still in
         prefill), ``contexts[i]`` its whole context (those tokens included);
         ``topk(i)``: the model's top-k ids at each position row i's last chain was
-        verified at (root first), if known. Returns each row's next chain."""
+        verified at (root first), if known; ``min_prob`` this step's floor (default:
+        the one given at construction). Returns each row's next chain."""
+        floor = self.min_prob if min_prob is None else min_prob
         for row in [r for r in self.rows if r >= len(sampled)]:
             self._free(row)  # the batch shrank: those requests finished
         out: list[list[int]] = []
@@ -99,10 +108,11 @@ class ChainDrafts:
                 self._free(row)
                 out.append([])
                 continue
-            out.append(self._row(row, list(new), [int(t) for t in context], topk))
+            ids = context.tolist() if hasattr(context, "tolist") else [int(t) for t in context]
+            out.append(self._row(row, list(new), ids, topk, floor))
         return out
 
-    def _row(self, row: int, new: list[int], context: list[int], topk: Callable) -> list[int]:
+    def _row(self, row: int, new: list[int], context: list[int], topk: Callable, floor: float) -> list[int]:
         state = self.rows.get(row)
         if state is not None and not self._continues(state, new, context):
             self._free(row)
@@ -123,7 +133,7 @@ class ChainDrafts:
             state.acceptance.observe(state.chain, path)
         state.length = len(context)
         tree = state.drafter.draft(context[-1], self.size)
-        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens, self.min_prob)
+        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens, floor)
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
         return [tree.tokens[i] for i in nodes]
@@ -142,16 +152,20 @@ class ChainDrafts:
                 and context[state.length - 1] == state.chain.tokens[0])
 
 
-def min_prob_from_env(default: float = 0.0) -> float:
+def min_prob_from_env() -> float | None:
     """``RACER_VLLM_MIN_PROB``: the least probability of being reached that a chain's
-    last token may have."""
-    text = os.environ.get("RACER_VLLM_MIN_PROB")
-    if text is None:
-        return default
+    last token may have, or ``auto`` (the default, None here): measured from the
+    engine's steps (``racer.budget.chain``)."""
+    text = os.environ.get("RACER_VLLM_MIN_PROB", "auto")
+    if text == "auto":
+        return None
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        raise ValueError(f"RACER_VLLM_MIN_PROB: expected a probability in [0, 1], got {text!r}") from None
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"RACER_VLLM_MIN_PROB: expected 'auto' or a probability in [0, 1], got {text!r}")
+    return value
 
 
 class RacerProposer:
@@ -164,11 +178,14 @@ class RacerProposer:
         config = model_config.hf_config
         eos = getattr(config, "eos_token_id", None)
         end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        fixed = min_prob_from_env()
         self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
-                                  min_prob=min_prob_from_env())
+                                  min_prob=fixed or 0.0)
+        self.budget = ChainBudget() if fixed is None else None
         self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
+        self._last: tuple[float, list[list[int]]] | None = None  # when the last step was proposed, and what
 
     def load_model(self, target_model: Any) -> None:
         """Wrap the target's ``compute_logits``: each call's top-k ids (one row per
@@ -193,11 +210,28 @@ class RacerProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
                 slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        now = time.perf_counter()
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
         rows = self._logits_rows
         self._logits_rows = None
         spans = self._spans(sampled_token_ids, rows)
-        return self.drafts.propose(sampled_token_ids, contexts, lambda row: spans.get(row))
+        floor = self.budget.floor() if self.budget is not None else None
+        before = (self.drafts.started, self.drafts.rebuilt)
+        chains = self.drafts.propose(sampled_token_ids, contexts, lambda row: spans.get(row), floor)
+        if self.budget is not None and (self.drafts.started, self.drafts.rebuilt) == before:
+            self._time_step(now, sampled_token_ids)
+        self._last = (now, chains)
+        return chains
+
+    def _time_step(self, now: float, sampled: list[list[int]]) -> None:
+        """Time the pass since the last ``propose``, which verified its chains, if it
+        held the same requests decoding and nothing else: no prefill, no request in or
+        out (a new request's first step would also hold the idle time before it)."""
+        if self._last is None:
+            return
+        then, chains = self._last
+        if len(chains) == len(sampled) and all(0 < len(s) <= len(c) + 1 for s, c in zip(sampled, chains)):
+            self.budget.observe(len(chains), sum(map(len, chains)), sum(map(len, sampled)), now - then)
 
     def _spans(self, sampled: list[list[int]], rows: np.ndarray | None) -> dict[int, np.ndarray]:
         """Each row's slice of the last pass's top-k: its last chain's positions plus
