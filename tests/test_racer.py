@@ -5,7 +5,8 @@ import pytest
 
 from racer.drafting import make_drafter, method_options, parse_method
 from racer.drafting.copy_logit import CopyLogitTable, child_breadth, expand_logits_tree
-from racer.drafting.racer import RETRIEVAL_SOURCE, RacerDrafter
+from racer.drafting.racer import RacerDrafter
+from racer.drafting.tree import RETRIEVAL
 from racer.drafting.tree import TreeBuilder
 
 
@@ -63,7 +64,7 @@ def test_retrieval_first_then_logits_fill_the_rest_and_merge():
     d.begin(prompt, topk)
     tree = d.draft(3, 10)
     assert len(tree) == 10
-    retrieved = [i for i, s in enumerate(tree.sources) if s == RETRIEVAL_SOURCE]
+    retrieved = [i for i, s in enumerate(tree.sources) if s == RETRIEVAL]
     # "1 2 3" and "2 3" occurred: continuations 4 -> 5 / 6.
     assert {tree.tokens[i] for i in retrieved} >= {4, 5, 6}
     node4 = tree.children[0][4]

@@ -23,6 +23,8 @@ STYLES_16 = {"retrieval": "black on cyan", "logits": "black on yellow", "both": 
 
 def styles(console: Console) -> dict[str, str]:
     return STYLES if console.color_system in ("truecolor", "256") else STYLES_16
+
+
 HELP = ("/reset starts a new conversation · /method NAME switches the draft method (e.g. pld, racer:capacity=16) · "
         "/quit leaves · Ctrl-C stops an answer")
 

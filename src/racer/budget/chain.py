@@ -34,8 +34,9 @@ class ChainBudget:
         if rows > 0 and seconds > 0:
             self.steps.append((rows, drafted, emitted, seconds))
 
-    def cost_per_token(self) -> float | None:
-        """b of the fit, or None where the steps cannot tell it."""
+    def _fit(self) -> tuple[float, float] | None:
+        """b of the fit and the steps' emitted tokens per second, or None where the
+        steps cannot tell b."""
         if len(self.steps) < self.warmup:
             return None
         data = np.array(self.steps, dtype=float)
@@ -44,13 +45,14 @@ class ChainBudget:
             return None
         design = np.column_stack([np.ones(len(data)), data[:, 0], drafted])
         (_, _, per_token), *_ = np.linalg.lstsq(design, data[:, 3], rcond=None)
-        return max(0.0, float(per_token))
+        return max(0.0, float(per_token)), data[:, 2].sum() / data[:, 3].sum()
+
+    def cost_per_token(self) -> float | None:
+        """b of the fit, or None where the steps cannot tell it."""
+        fit = self._fit()
+        return None if fit is None else fit[0]
 
     def floor(self) -> float:
         """The least probability of being reached that a chain's token should have."""
-        per_token = self.cost_per_token()
-        if per_token is None:
-            return 0.0
-        data = np.array(self.steps, dtype=float)
-        rate = data[:, 2].sum() / data[:, 3].sum()
-        return min(1.0, per_token * rate)
+        fit = self._fit()
+        return 0.0 if fit is None else min(1.0, fit[0] * fit[1])

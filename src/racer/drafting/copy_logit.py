@@ -10,7 +10,6 @@ import numpy as np
 
 from racer.drafting.tree import LOGITS, TreeBuilder
 
-LOGITS_SOURCE = LOGITS
 
 
 def logits_feature(rank: int, depth: int) -> tuple:
@@ -62,7 +61,7 @@ def expand_logits_tree(builder: TreeBuilder, candidates: Callable[[int], Sequenc
         for rank, token in enumerate(candidates(builder.tokens[node])[:breadth]):
             if proposed >= budget:
                 break
-            child = builder.add_child(node, token, LOGITS_SOURCE, logits_feature(rank, depth + 1))
+            child = builder.add_child(node, token, LOGITS, logits_feature(rank, depth + 1))
             if child is None:
                 return proposed
             proposed += 1

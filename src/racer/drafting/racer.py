@@ -10,10 +10,8 @@ import numpy as np
 
 from racer.drafting.automaton import NgramAutomaton
 from racer.drafting.base import Drafter, Needs
-from racer.drafting.copy_logit import LOGITS_SOURCE, CopyLogitTable, expand_logits_tree, logits_feature
-from racer.drafting.tree import RETRIEVAL, DraftTree, TreeBuilder, source_name
-
-RETRIEVAL_SOURCE = RETRIEVAL
+from racer.drafting.copy_logit import CopyLogitTable, expand_logits_tree, logits_feature
+from racer.drafting.tree import LOGITS, RETRIEVAL, DraftTree, TreeBuilder, source_name
 
 
 def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
@@ -111,7 +109,7 @@ class RacerDrafter(Drafter):
                 features = [retrieval_feature(agreement, continuation.border, ratio)
                             for agreement, ratio in zip(agreements, continuation.ratios)]
                 # A retrieved token that its parent's copy-logit row also holds is both sources' draft.
-                sources = [RETRIEVAL_SOURCE | (LOGITS_SOURCE if agreement else 0) for agreement in agreements]
+                sources = [RETRIEVAL | (LOGITS if agreement else 0) for agreement in agreements]
                 builder.add_path(continuation.path, sources, features=features)
         left = budget - len(builder)
         if self.use_logits and left > 0:
@@ -121,7 +119,7 @@ class RacerDrafter(Drafter):
                     row = self._candidates(builder.tokens[node])
                     if not row:
                         break
-                    node = builder.add_child(node, row[0], LOGITS_SOURCE,
+                    node = builder.add_child(node, row[0], LOGITS,
                                              logits_feature(0, builder.depths[node] + 1))
                     left -= 1
             else:
