@@ -84,3 +84,33 @@ def test_sampled_bench_is_repeatable_and_compares_nothing(real, tmp_path, capsys
     for first, second in zip(runs[0]["records"], runs[1]["records"]):
         assert first["identical"] is None
         assert first["tokens"] == second["tokens"]  # every method repeats with the seed
+
+
+def test_records_pair_by_position_when_question_ids_repeat():
+    """Two sources numbered from 1, concatenated: the same (dataset, category, id)
+    twice. Each record pairs with the baseline run on its own prompt."""
+    records = [rec("ar", 1, [1, 2], 4.0, 1), rec("ar", 1, [3, 4], 1.0, 1),
+               rec("x", 1, [1, 2], 2.0, 1), rec("x", 1, [3, 4], 1.0, 1)]
+    for index, record in enumerate(records):
+        record.prompt = index % 2
+    x = {s.method: s for s in summarize(records, "ar")}["x"]
+    assert x.median_speedup == pytest.approx((4.0 / 2.0 + 1.0 / 1.0) / 2)  # not 1.0 / 2.0 and 1.0 / 1.0
+    legacy = [rec("ar", 1, [1], 4.0, 0), rec("x", 1, [1], 2.0, 0)]  # a file from before positions were kept
+    assert {s.method: s for s in summarize(legacy, "ar")}["x"].speedup == pytest.approx(2.0)
+
+
+def test_a_file_with_repeated_ids_runs_and_keys_by_position(real, tmp_path):
+    questions = tmp_path / "mine.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "c", "turns": ["Name a fruit."]}) + "\n"
+                         + json.dumps({"question_id": 1, "category": "c", "turns": ["Count to three."]}) + "\n")
+    out = tmp_path / "r.json"
+    # --methods without ar: the baseline is the first method.
+    assert main(["bench", "--methods", "none,pld", "--datasets", str(questions), "--max-new-tokens", "8",
+                 "--warmup", "0", "--threads", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["baseline"] == "none"
+    assert sorted((r["method"], r["prompt"]) for r in data["records"]) == [("none", 0), ("none", 1), ("pld", 0),
+                                                                        ("pld", 1)]
+    first = {r["method"]: r["tokens"] for r in data["records"] if r["prompt"] == 0}
+    second = {r["method"]: r["tokens"] for r in data["records"] if r["prompt"] == 1}
+    assert first["none"] != second["none"] and all(r["identical"] for r in data["records"])

@@ -20,6 +20,28 @@ def test_measure_times_every_size_that_fits(tiny):
     assert len(model.kernels) == 4 and set(model.kernels) <= set(KERNELS)  # each size keeps its fastest kernel
 
 
+def test_timing_says_how_far_it_is_and_how_long_is_left(tiny, monkeypatch):
+    from racer.budget import calibration
+
+    heard: list[str] = []
+    progress = calibration.Progress(heard.append, "timing", total=4, every=0.0)
+    for _ in range(4):
+        progress.tick()
+    progress.close()
+    assert heard[:3] == [line for line in heard[:3] if line.startswith("timing: ") and "s left" in line]
+    assert [line.split("(")[1].split(" ")[0] for line in heard[:3]] == ["1/4", "2/4", "3/4"]
+    assert len(heard) == 4 and heard[-1].startswith("timing: done in")
+    # The first measurement announces itself, then its progress (every few seconds:
+    # here every pass), then that it is done.
+    monkeypatch.setenv("RACER_COST_CACHE", "0")
+    monkeypatch.setattr(calibration.Progress, "EVERY", 0.0)
+    heard.clear()
+    load_or_measure(tiny, announce=heard.append)
+    assert heard[0].startswith("timing verification passes of 1-") and "not saved" in heard[0]
+    assert any("% (" in line and "about" in line for line in heard[1:-1])
+    assert heard[-1].startswith("timing verification passes: done in")
+
+
 def test_measure_times_the_long_cache_within_the_same_shuffled_rounds(tiny, monkeypatch):
     # The growth terms are differences between a short and a long cache; timed minutes
     # apart they would measure the machine's drift instead.

@@ -59,6 +59,8 @@ def test_branching_drafter_is_lossless_and_accepts_multiple_tokens(real):
 
 
 def test_stop_string_cuts_right_after_the_completing_token(real):
+    """The tokens end with the one that completed the stop string; the text, in
+    ``generate`` and ``stream`` alike, stops before it (as the server's does)."""
     model, tok = real
     plain = Decoder(model, tok, "none").generate(PROMPT, chat=True, max_new_tokens=60)
     assert "5" in plain.text
@@ -66,7 +68,42 @@ def test_stop_string_cuts_right_after_the_completing_token(real):
         result = Decoder(model, tok, method).generate(PROMPT, chat=True, max_new_tokens=60, stop=["5"])
         assert result.stop_reason == "stop"
         assert result.tokens == plain.tokens[: len(result.tokens)]
-        assert "5" in result.text and "5" not in tok.decode(result.tokens[:-1])
+        assert "5" in tok.decode(result.tokens) and "5" not in tok.decode(result.tokens[:-1])
+        assert result.text == plain.text[: plain.text.index("5")]
+        streamed = GenerationResult.empty()
+        pieces = list(Decoder(model, tok, method).stream(PROMPT, chat=True, max_new_tokens=60, stop=[", 24,"],
+                                                         result=streamed))
+        assert "".join(pieces) == streamed.text == plain.text[: plain.text.index(", 24,")]
+
+
+def test_visible_text_holds_back_only_what_may_still_become_a_stop():
+    from racer import visible_text
+
+    assert visible_text("one, two, th", ["three"], final=False) == "one, two, "
+    assert visible_text("one, two, th", ["three"], final=True) == "one, two, th"
+    assert visible_text("one, two, three, four", ["three", "o, t"], final=False) == "one, tw"
+    assert visible_text("one t", ["zz"], final=False) == "one t"
+    assert visible_text("caf\ufffd", [], final=False) == "caf"  # a character whose other bytes are to come
+
+
+def test_a_plain_string_is_a_user_message_when_the_model_has_a_template(real, tiny):
+    """One rule for text, in the API and the CLI: through the chat template when the
+    tokenizer has one, raw with chat=False (--raw)."""
+    import copy
+
+    from racer import encode_prompt
+
+    _, tok = real
+    text = "Name a colour."
+    assert encode_prompt(tok, text) == encode_prompt(tok, [{"role": "user", "content": text}])
+    assert encode_prompt(tok, text, chat=False) == tok(text, add_special_tokens=False).input_ids
+    bare = copy.deepcopy(tok)
+    bare.chat_template = None
+    assert encode_prompt(bare, text) == tok(text, add_special_tokens=False).input_ids
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_prompt(bare, text, chat=True)
+    with pytest.raises(ValueError, match="text needs a tokenizer"):
+        Decoder(tiny, None, "none").generate(text)
 
 
 def test_stream_yields_the_same_text_and_fills_statistics(real):

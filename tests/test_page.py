@@ -15,6 +15,8 @@ import pytest
 from racer import DEFAULT_MODEL
 from test_serve import _post, start_server
 
+KEY = "page-key"
+
 PROMPT = ("Write a Python class Stack with push, pop, peek and is_empty methods, then a Queue class with the "
           "same methods built on two stacks.")
 TOKENS = 160
@@ -39,7 +41,7 @@ def _browser_parts() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def page_server(real):
-    process, base = start_server()
+    process, base = start_server("--api-key", KEY)
     yield base
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=60)
@@ -54,7 +56,7 @@ def test_the_page_streams_the_apis_answer_tinted_by_source(page_server, tmp_path
 
     expected = _post(page_server, "/v1/chat/completions", {
         "model": DEFAULT_MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": TOKENS,
-        "temperature": 0, "racer": True}, key=None).json()
+        "temperature": 0, "racer": True}, key=KEY).json()
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
@@ -68,9 +70,20 @@ def test_the_page_streams_the_apis_answer_tinted_by_source(page_server, tmp_path
         tokens = browser.find_element(By.ID, "max-tokens")
         tokens.clear()
         tokens.send_keys(str(TOKENS))
+        # The server wants its API key: the page offers a field for it, and a message sent
+        # without it is refused and handed back, not lost.
+        key = browser.find_element(By.ID, "api-key")
+        assert key.is_displayed()
         browser.find_element(By.ID, "prompt").send_keys(PROMPT)
         browser.find_element(By.ID, "send").click()
+        wait.until(lambda b: b.find_element(By.ID, "error").is_displayed())
+        assert "API key" in browser.find_element(By.ID, "error").text
+        assert browser.find_element(By.ID, "prompt").get_attribute("value") == PROMPT
+        assert not browser.find_elements(By.CSS_SELECTOR, ".turn")
+        key.send_keys(KEY)
+        browser.find_element(By.ID, "send").click()
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, ".assistant[data-done='true']"))
+        assert browser.execute_script("return sessionStorage.getItem('racer-api-key')") == KEY
         answer = browser.execute_script(
             "return Array.from(document.querySelectorAll('.assistant span[class^=src-]'))"
             ".map(s => s.textContent).join('')")

@@ -42,10 +42,10 @@ def _connection(base: str, timeout: float = 120) -> http.client.HTTPConnection:
     return http.client.HTTPConnection(host, int(port), timeout=timeout)
 
 
-def get(base: str, path: str, timeout: float = 5) -> Reply:
+def get(base: str, path: str, timeout: float = 5, key: str | None = None) -> Reply:
     connection = _connection(base, timeout)
     try:
-        connection.request("GET", path)
+        connection.request("GET", path, headers={"Authorization": f"Bearer {key}"} if key else {})
         response = connection.getresponse()
         return Reply(response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode())
     finally:
@@ -220,7 +220,15 @@ CHAT = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "Hi"}],
     ("/v1/chat/completions", {**CHAT, "max_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", None),
     ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs", "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "unsupported_parameter"),
+    # SmolLM2's chat template does not read tools: said, never ignored.
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function", None),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "42"}]}, 400,
+     "messages[0].tool_call_id", None),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": None}]}, 400,
+     "messages[0].content", None),
     ("/v1/chat/completions", {**CHAT, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
     ("/v1/chat/completions", {**CHAT, "stop": 5}, 400, "stop", None),
     ("/v1/chat/completions", {**CHAT, "seed": -1}, 400, "seed", None),
@@ -242,11 +250,104 @@ def test_bad_requests_get_their_status_and_an_openai_error_body(server, path, bo
     assert _post(server, "/v1/chat/completions", CHAT).status_code == 200  # and the server goes on
 
 
+def test_unknown_routes_and_methods_get_openais_error_body(server):
+    missing = get(server, "/v1/chat/nothing", key=KEY)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert "/v1/chat/nothing" in missing.json()["error"]["message"]
+    wrong = get(server, "/v1/chat/completions", key=KEY)  # GET on a POST route
+    error = wrong.json()["error"]
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and set(error) == {"message", "type",
+                                                                                            "param", "code"}
+    assert get(server, "/static/missing.js").json()["error"]["code"] == "not_found"
+
+
+def test_metrics_count_unknown_paths_under_one_label(server):
+    for probe in ("/wp-admin/setup.php", "/.env", "/v1/probe/1", "/v1/probe/2"):
+        get(server, probe)
+    routes = {line.split('route="')[1].split('"')[0] for line in get(server, "/metrics").text.splitlines()
+              if line.startswith("racer_requests_total{")}
+    assert "other" in routes and not any("probe" in r or "wp-admin" in r or ".env" in r for r in routes)
+    assert routes <= {"/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+                      "/static/{file}", "other"}
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    with socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1])), timeout=30) as raw:
+        # The headers announce 5 MB; only the first bytes are sent: the answer comes anyway.
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000000\r\n\r\n{\"model\"")
+        head, _, body = raw.recv(65536).decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413")
+    assert json.loads(body)["error"]["code"] == "request_too_large"
+    assert get(server, "/health").status_code == 200
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server):
+    """A prompt of 3.5 MB (under the body limit, far over the context) takes seconds
+    to template and tokenize; meanwhile the event loop goes on answering."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "word and other things " * 160_000}]}
+    done: dict = {}
+
+    def huge() -> None:
+        done["reply"] = _post(server, "/v1/chat/completions", body)
+        done["at"] = time.monotonic()
+
+    thread = threading.Thread(target=huge)
+    thread.start()
+    answered = []
+    while thread.is_alive():
+        if get(server, "/health", timeout=30).status_code == 200:
+            answered.append(time.monotonic())
+        time.sleep(0.05)
+    thread.join()
+    assert done["reply"].status_code == 400 and done["reply"].json()["error"]["code"] == "context_length_exceeded"
+    assert sum(at < done["at"] for at in answered) >= 3  # before the huge one was answered
+
+
+def test_a_whole_request_whose_client_gave_up_is_cancelled(server):
+    """A non-streamed request's client times out: its row is freed at the next step,
+    not decoded to max_tokens (the answer it would have had is counted as a 499)."""
+    connection = _connection(server, timeout=1.5)
+    body = {**CHAT, "max_tokens": 3000, "messages": [{"role": "user", "content": "Write a very long story."}]}
+    connection.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    with pytest.raises(OSError):  # socket.timeout
+        connection.getresponse()
+    connection.close()
+    deadline = time.monotonic() + 20
+    while _in_flight(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _in_flight(server) == 0
+    assert 'route="/v1/chat/completions",status="499"' in get(server, "/metrics").text
+
+
+def test_an_agent_history_is_accepted_and_answered_as_alone(server, real):
+    """Tool results and an assistant turn with content null and tool_calls, as agent
+    frameworks send them; the answer is the one racer gives the same history alone."""
+    from racer.serve import protocol
+
+    model, tokenizer = real
+    messages = [{"role": "system", "content": "Answer with the tool's result."},
+                {"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    reply = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 24, "messages": messages})
+    assert reply.status_code == 200, reply.text
+    parsed = protocol.parse_request("chat", {"model": "m", "messages": messages}, "m").prompt
+    ids = encode_prompt(tokenizer, parsed, True)
+    assert "get_weather" in tokenizer.decode(ids)  # the template knows no tool_calls: the call is written as text
+    alone = Decoder(model, tokenizer, "none").generate(ids, max_new_tokens=24)
+    assert reply.json()["choices"][0]["message"]["content"] == alone.text
+
+
 def test_a_missing_or_wrong_api_key_is_401(server):
     for key in (None, "wrong"):
         response = _post(server, "/v1/chat/completions", CHAT, key=key)
         assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert get(server, "/health").status_code == 200  # health needs no key
+    assert get(server, "/health").json()["api_key_required"] is True  # and tells the chat page to ask for one
 
 
 def test_models_health_and_metrics(server, client):
@@ -369,6 +470,8 @@ def test_sigterm_during_a_stream_finishes_or_ends_it_and_exits(real):
     assert time.monotonic() - started < 30
     log = process.stdout.read()
     assert "racer serve: stopped" in log, log  # the shutdown ran (engine stopped), not a kill
+    # What it did before the port opened was said before "serving on".
+    assert log.index("racer serve: loading") < log.index("racer serve: serving"), log
     assert received[0].startswith(b"data: ")
 
 

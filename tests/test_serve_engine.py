@@ -102,4 +102,87 @@ def test_protocol_takes_what_clients_send_by_default():
     request = protocol.parse_request("chat", body, "m")
     assert request.prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert request.temperature == 1.0 and request.max_tokens is None and not request.stream
-    assert protocol.cut_at_stop("one two three", ["two", "thr"]) == ("one ", True)
+
+
+def test_protocol_takes_agent_turns_as_chat_templates_take_them():
+    body = {"model": "m", "tool_choice": "auto", "parallel_tool_calls": False,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "18 C"}]}]}
+    request = protocol.parse_request("chat", body, "m")
+    assert request.prompt == [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"}]
+    assert request.tools == body["tools"]
+    assert protocol.parse_request("chat", {**body, "tool_choice": "none"}, "m").tools is None
+
+
+@pytest.mark.parametrize("change, param", [
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}]},
+     "messages[0].tool_calls[0].function"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "c", "tool_calls": []}]},
+     "messages[0].tool_calls"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+])
+def test_protocol_names_the_agent_field_it_refuses(change, param):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **change}
+    with pytest.raises(protocol.ApiError) as caught:
+        protocol.parse_request("chat", body, "m")
+    assert caught.value.status == 400 and caught.value.param == param, caught.value.message
+
+
+def test_a_template_that_reads_tools_gets_them(real):
+    import copy
+
+    from racer import chat_template_takes, encode_prompt
+
+    _, tokenizer = real
+    assert not chat_template_takes(tokenizer, "tools")
+    with pytest.raises(ValueError, match="tools: this model's chat template does not take tools"):
+        encode_prompt(tokenizer, [{"role": "user", "content": "hi"}], tools=[{"type": "function"}])
+    tooled = copy.deepcopy(tokenizer)
+    tooled.chat_template = ("{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }} "
+                            "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                            "{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    assert chat_template_takes(tooled, "tools")
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    text = tooled.decode(encode_prompt(tooled, [{"role": "user", "content": "hi"}], tools=tools))
+    assert "Tools: get_weather" in text
+
+
+def test_route_labels_are_a_fixed_set():
+    from racer.serve.app import ROUTES, route_label
+
+    assert [route_label(r) for r in ROUTES] == list(ROUTES)
+    assert route_label("/static/chat.js") == route_label("/static/x/y") == "/static/{file}"
+    assert {route_label(p) for p in ("/v1/x", "/admin", "/health/", "/" + "a" * 999)} == {"other"}
+
+
+def test_a_body_is_read_up_to_its_limit():
+    import asyncio
+
+    from racer.serve.app import read_body
+
+    async def chunks(*parts: bytes):
+        for part in parts:
+            yield part
+
+    def read(length, *parts, limit=10):
+        return asyncio.run(read_body(chunks(*parts), length, limit))
+
+    assert read(None, b"12345", b"67890") == b"1234567890"
+    for length, parts in ((None, (b"123456", b"78901")), ("11", (b"1",)), ("11", ())):
+        with pytest.raises(protocol.ApiError) as caught:  # a chunked body counted as it comes; a length at once
+            read(length, *parts)
+        assert caught.value.status == 413 and caught.value.code == "request_too_large"
+    with pytest.raises(protocol.ApiError, match="Content-Length"):
+        read("ten", b"1")

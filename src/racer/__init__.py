@@ -9,7 +9,7 @@ from racer.budget import AcceptanceModel, CostModel, DraftBudget
 from racer.drafting import METHODS, Drafter, DraftTree, Method, Needs, TreeBuilder, make_drafter, parse_method
 from racer.drafting.datastore import Datastore, DatastoreError, build_datastore
 from racer.engine import (BatchDecoder, Decoder, GenerationOptions, GenerationResult, StepStats, TokenSpans,
-                          UnsupportedModelError, encode_prompt, generate)
+                          UnsupportedModelError, chat_template_takes, encode_prompt, generate, visible_text)
 from racer.fastpaths import FastPaths
 from racer.loading import DEFAULT_MODEL, ModelNotFoundError, load_model, load_tokenizer
 
@@ -17,4 +17,5 @@ __version__ = "0.1.0"
 __all__ = ["AcceptanceModel", "BatchDecoder", "CostModel", "DEFAULT_MODEL", "Datastore", "DatastoreError", "Decoder", "DraftBudget",
            "DraftTree", "Drafter", "FastPaths", "GenerationOptions", "GenerationResult", "METHODS", "Method",
            "ModelNotFoundError", "Needs", "StepStats", "TokenSpans", "TreeBuilder", "UnsupportedModelError", "build_datastore",
-           "encode_prompt", "generate", "load_model", "load_tokenizer", "make_drafter", "parse_method"]
+           "chat_template_takes", "encode_prompt", "generate", "load_model", "load_tokenizer", "make_drafter",
+           "parse_method", "visible_text"]

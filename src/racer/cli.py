@@ -1,4 +1,6 @@
-"""Command line: ``racer generate``, ``methods``, ``bench``, ``cost`` and ``datastore build``."""
+"""Command line: ``racer generate``, ``chat``, ``methods``, ``bench``, ``cost``, ``serve``,
+``bench-serve`` and ``datastore build``; bad input is one line naming the argument and
+exit status 2, Ctrl-C is exit status 130."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 
 def default_threads() -> int:
@@ -24,6 +26,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number from 1 to 65535, got {value}")
     return value
 
 
@@ -53,15 +65,20 @@ def _sampling(args: argparse.Namespace) -> dict:
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    import racer
+
     parser = argparse.ArgumentParser(prog="racer", description="Lossless speculative decoding for Hugging Face causal LMs")
+    parser.add_argument("--version", action="version", version=f"racer {racer.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate an answer, streaming it")
-    gen.add_argument("prompt", help="the user message (chat template applied unless --raw)")
+    gen.add_argument("prompt", help="the user message (through the chat template when the model has one, "
+                                    "unless --raw)")
     gen.add_argument("--method", default="racer",
                      help="draft method with options, e.g. racer, racer:capacity=16, pld (see 'racer methods')")
     gen.add_argument("--max-new-tokens", type=_positive, default=256)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append", default=[],
+                     help="stop string, left out of the text as the server does (repeatable)")
     gen.add_argument("--raw", action="store_true", help="feed the prompt as raw text, no chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, every token with the draft source that proposed it and "
@@ -88,7 +105,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: spec_bench, human_eval, mgsm or JSONL paths; NAME:N takes N per category")
     bench.add_argument("--limit", type=_positive, default=None, help="first N prompts of each category")
     bench.add_argument("--max-new-tokens", type=_positive, default=256)
-    bench.add_argument("--baseline", default="ar", help="method the speedups are relative to (default: ar)")
+    bench.add_argument("--baseline", default=None,
+                       help="method the speedups are relative to (default: ar when it runs, else the first method)")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up rounds of every method on a prompt of its own (default: 1)")
     _add_sampling_args(bench)
     bench.set_defaults(seed=0)  # a bench run repeats unless told otherwise
@@ -106,13 +124,15 @@ def _build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and completions, streaming)")
     serve.add_argument("--method", default="racer", help="draft method with options, as in generate (default: racer)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    serve.add_argument("--port", type=_positive, default=8000, help="port (default: 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default: 8000)")
     serve.add_argument("--max-batch", type=_positive, default=8, help="requests verified together (default: 8)")
     serve.add_argument("--max-queue", type=int, default=32,
                        help="requests waiting beyond the batch before new ones get 429 (default: 32)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
     serve.add_argument("--default-max-tokens", type=_positive, default=1024,
                        help="max_tokens of a request that names none (default: 1024, or the rest of the context)")
+    serve.add_argument("--max-body", type=_positive, default=4 << 20,
+                       help="largest request body in bytes; larger ones get 413 before they are read (default: 4 MiB)")
     serve.add_argument("--grace", type=float, default=10.0,
                        help="seconds SIGTERM lets requests in flight finish (default: 10)")
     serve.add_argument("--memory-scope", choices=("request", "server", "user"), default="server",
@@ -201,23 +221,32 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     err = Console(stderr=True, soft_wrap=True)
     method = parse_method(args.method)  # fail on a bad method before loading anything
-    options = GenerationOptions(max_new_tokens=args.max_new_tokens, stop=args.stop, chat=not args.raw,
-                                **_sampling(args))
+    options = GenerationOptions(max_new_tokens=args.max_new_tokens, stop=args.stop,
+                                chat=False if args.raw else None, **_sampling(args))
     threads = _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, announce=err.print)
     decoder = Decoder(model, tokenizer, method)
     decoder.calibrate(announce=lambda line: err.print(line))
     # Warm-up (not reported) with plain decoding, so no drafter memory sees the prompt early.
     Decoder(model, tokenizer, "none", check=False).generate(args.prompt, options, max_new_tokens=4)
 
     result = GenerationResult.empty()
-    if args.json:
-        result = decoder.generate(args.prompt, options)
-    else:
+    try:
         for piece in decoder.stream(args.prompt, options, result=result):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+            if not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    except KeyboardInterrupt:  # Ctrl-C: what was generated so far, no traceback
+        result.text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+        result.stop_reason = "interrupted"
+        if args.json:
+            print(json.dumps(_generation_json(args.method, tokenizer, result, None), ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+        err.print(f"[bold]interrupted[/] after {len(result.tokens)} tokens")
+        return 130
+    if not args.json:
         sys.stdout.write("\n")
     err.print(f"[bold]{args.method}[/]: {len(result.tokens)} tokens, {result.passes} passes, "
               f"MAT {result.mat:.2f}, {result.tokens_per_s:.1f} tokens/s ({threads} threads, stop: {result.stop_reason})")
@@ -229,21 +258,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_generation_json(args.method, tokenizer, result, plain), ensure_ascii=False))
     if plain is not None:
-        speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
-        greedy = args.temperature == 0
-        err.print(f"[bold]plain {'greedy' if greedy else 'sampling'}[/]: {len(plain.tokens)} tokens, "
-                  f"{plain.tokens_per_s:.1f} tokens/s")
-        same = plain.tokens == result.tokens
-        if not greedy:  # two samples of one distribution need not be equal
-            err.print(f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
-                      f"{'yes' if same else 'no'} (sampling: equal in distribution; with the same --seed usually "
-                      "equal token for token)")
-            return 0
-        err.print(f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
-                  + ("[green]yes[/]" if same else "[red]NO[/]"))
-        if not same:
-            return 1
+        return _report_compare(err, result, plain, args.temperature == 0, str(next(model.parameters()).dtype))
     return 0
+
+
+SIXTEEN_BIT = ("torch.bfloat16", "torch.float16")
+
+
+def _report_compare(err: Any, result: Any, plain: Any, greedy: bool, dtype: str) -> int:
+    """The speedup over plain decoding and whether the outputs agree, with what racer
+    promises where they need not (sampling; 16-bit formats)."""
+    speedup = plain.wall_s / result.wall_s if result.wall_s else float("nan")
+    err.print(f"[bold]plain {'greedy' if greedy else 'sampling'}[/]: {len(plain.tokens)} tokens, "
+              f"{plain.tokens_per_s:.1f} tokens/s")
+    same = plain.tokens == result.tokens
+    head = f"[bold]speedup {speedup:.2f}x[/] (wall time, one run each); outputs identical: "
+    if not greedy:  # two samples of one distribution need not be equal
+        err.print(head + f"{'yes' if same else 'no'} (sampling: equal in distribution; with the same --seed "
+                         "usually equal token for token)")
+        return 0
+    if dtype in SIXTEEN_BIT:
+        first = next((i for i, (a, b) in enumerate(zip(result.tokens, plain.tokens)) if a != b),
+                     min(len(result.tokens), len(plain.tokens)))
+        where = "" if same else f", from token {first} on"
+        err.print(head + f"{'yes' if same else 'no'}{where}. In {dtype.removeprefix('torch.')} a pass over several "
+                         "tokens rounds differently from a one-token pass, so near-ties between the two likeliest "
+                         "tokens can flip; racer promises there that every token is the argmax of logits computed for "
+                         "its true context, up to 16-bit rounding (docs/lossless.md). Use float32 for output "
+                         "identical to plain greedy decoding.")
+        return 0
+    err.print(head + ("[green]yes[/]" if same else "[red]NO[/]"))
+    return 0 if same else 1
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -258,7 +303,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     _setup_torch(args.threads)
     hf_logging.disable_progress_bar()
     console = Console(highlight=False, soft_wrap=True)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device,
+                                  announce=lambda line: console.print(line, style="dim"))
     return run(Chat(model, tokenizer, args.method, options, console, args.system), console.input)
 
 
@@ -290,6 +336,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         result = bench.merge([bench.load(path) for path in args.report])
     else:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        baseline = args.baseline or ("ar" if "ar" in methods or not methods else methods[0])
         if args.warmup < 0:
             raise ValueError(f"warmup: expected 0 or more prompts, got {args.warmup}")
         from racer import parse_method
@@ -312,7 +359,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         with Progress(*columns, console=console, transient=True) as bar:
             task = bar.add_task("prompts x methods", total=len(questions) * len(methods))
             result = bench.run_bench(model, tokenizer, methods, questions, max_new_tokens=args.max_new_tokens,
-                                     baseline=args.baseline, warmup=args.warmup, threads=threads, sampling=sampling,
+                                     baseline=baseline, warmup=args.warmup, threads=threads, sampling=sampling,
                                      progress=lambda spec: bar.update(task, advance=1, description=spec))
         result.settings.update(datasets=args.datasets, limit=args.limit, dtype=args.dtype,
                                model=args.model or "SmolLM2-135M-Instruct")
@@ -370,7 +417,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     _setup_torch(args.threads)
     serve(args.model, method=args.method, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
           max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
-          default_max_tokens=args.default_max_tokens, grace=args.grace, memory_scope=args.memory_scope)
+          default_max_tokens=args.default_max_tokens, grace=args.grace, memory_scope=args.memory_scope,
+          max_body=args.max_body)
     return 0
 
 
@@ -435,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("racer: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

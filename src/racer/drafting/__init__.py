@@ -89,6 +89,18 @@ def _parse_value(text: str) -> Any:
     return text
 
 
+def _option_value(method: str, key: str, text: str, default: Any) -> Any:
+    """An option's value read as its default's kind: an integer option takes an
+    integer, a boolean one true or false; others (text, or None by default) as written."""
+    value = _parse_value(text)
+    kinds = {bool: ("true or false", (bool,)), int: ("an integer", (int,)), float: ("a number", (int, float))}
+    if key != "capacity" and type(default) in kinds:
+        expected, allowed = kinds[type(default)]
+        if isinstance(value, bool) != (type(default) is bool) or not isinstance(value, allowed):
+            raise ValueError(f"method {method}: {key}: expected {expected}, got {text!r}")
+    return value
+
+
 def method_options(name: str) -> dict[str, Any]:
     """Options a method takes, with their defaults (``capacity`` first; None: every
     node the method drafts)."""
@@ -113,7 +125,7 @@ def parse_method(spec: str, capacity: Capacity | None = None) -> Method:
         key = key.replace("-", "_")
         if not sep or key not in allowed:
             raise ValueError(f"method {name}: option {part!r} is not key=value with key in {', '.join(allowed)}")
-        options[key] = _parse_value(value)
+        options[key] = _option_value(name, key, value, allowed[key])
     if "capacity" in options:
         if capacity is not None:
             raise ValueError(f"capacity: given twice, in method {spec!r} and as capacity={capacity!r}")

@@ -42,7 +42,7 @@ from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import WindowCheck, random_tree, self_test
 from racer.engine.slots import SlotCache
-from racer.engine.stopping import Stopper, end_token_ids
+from racer.engine.stopping import Stopper, answer_text, end_token_ids
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
 from racer.fastpaths import FastPaths
@@ -434,8 +434,7 @@ class BatchDecoder:
         request.result.stop_reason = reason
         request.result.drafter_stats = request.drafter.request_stats()
         request.result.wall_s = time.perf_counter() - request.started
-        request.result.text = (self.tokenizer.decode(request.result.tokens, skip_special_tokens=True)
-                               if self.tokenizer is not None else "")
+        request.result.text = answer_text(self.tokenizer, request.result.tokens, request.options.stop)
         self.pool.give_back(request.scope, (request.drafter, request.acceptance))
         request.drafter = request.acceptance = None
         self._finished[request.id] = request

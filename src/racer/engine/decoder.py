@@ -23,7 +23,7 @@ from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import WindowCheck, self_test
-from racer.engine.stopping import Chunk, Stopper, end_token_ids
+from racer.engine.stopping import Chunk, Stopper, answer_text, end_token_ids, visible_text
 from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import FastPaths
 
@@ -192,32 +192,29 @@ class Decoder:
         for _ in self._run(prompt, options, result):
             pass
         result.wall_s = time.perf_counter() - start
-        result.text = self._decode(result.tokens)
+        result.text = answer_text(self.tokenizer, result.tokens, options.stop)
         return result
 
     def stream(self, prompt: Any, options: GenerationOptions | None = None, *,
                result: GenerationResult | None = None, **fields: Any) -> Iterator[str]:
-        """Yield text as it is accepted (arguments as ``generate``). Pass ``result`` to
-        collect the statistics; it is emptied first."""
+        """Yield text as it is accepted (arguments as ``generate``); the pieces join to
+        the result's ``text``. Pass ``result`` to collect the statistics; it is emptied
+        first."""
         options = GenerationOptions.of(options, fields)
         result = GenerationResult.empty() if result is None else result
         start = time.perf_counter()
         shown = ""
         for _ in self._run(prompt, options, result):
-            text = self._decode(result.tokens)
-            # Hold back a trailing partial UTF-8 character until its other bytes arrive.
-            stable = text[:-1] if text.endswith("\ufffd") else text
-            if len(stable) > len(shown) and stable.startswith(shown):
-                yield stable[len(shown):]
-                shown = stable
+            if self.tokenizer is None:
+                continue
+            text = visible_text(self.tokenizer.decode(result.tokens, skip_special_tokens=True), options.stop, False)
+            if len(text) > len(shown) and text.startswith(shown):
+                yield text[len(shown):]
+                shown = text
         result.wall_s = time.perf_counter() - start
-        result.text = self._decode(result.tokens)
+        result.text = answer_text(self.tokenizer, result.tokens, options.stop)
         if result.text.startswith(shown) and len(result.text) > len(shown):
             yield result.text[len(shown):]
-
-    def _decode(self, tokens: list[int]) -> str:
-        # A tokenizer is optional for callers that work in token ids only.
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
 
 
 def _resolve_method(method: str | Drafter | Method, capacity: int | str | None) -> Method:

@@ -15,12 +15,14 @@ from racer.engine.sampling import SamplingParams
 class GenerationOptions(SamplingParams):
     """Options of ``Decoder.generate`` and ``Decoder.stream``: the sampling parameters of
     ``SamplingParams`` (``temperature`` 0: greedy), and ``max_new_tokens``; ``stop``:
-    strings that end generation right after the token completing one; ``chat``: apply
-    the chat template to a text prompt; ``max_tree``: the most nodes verified per step."""
+    strings that end generation right after the token completing one (the text leaves
+    the stop string out); ``chat``: whether a text prompt is a user message put through
+    the chat template (None, the default: when the tokenizer has one; False: raw text);
+    ``max_tree``: the most nodes verified per step."""
 
     max_new_tokens: int = 256
     stop: Sequence[str] | str | None = ()
-    chat: bool = False
+    chat: bool | None = None
     max_tree: int = 1 << 16
 
     def __post_init__(self) -> None:
@@ -34,6 +36,9 @@ class GenerationOptions(SamplingParams):
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
         object.__setattr__(self, "stop", stops)
+        if self.chat not in (None, True, False):
+            raise ValueError(f"chat: expected True, False or None (the chat template when there is one), "
+                             f"got {self.chat!r}")
 
     @staticmethod
     def of(options: "GenerationOptions | None", overrides: dict[str, Any]) -> "GenerationOptions":
@@ -49,19 +54,77 @@ class GenerationOptions(SamplingParams):
         return dataclasses.replace(options, **overrides) if overrides else options
 
 
-def encode_prompt(tokenizer: Any, prompt: Any, chat: bool) -> list[int]:
-    """Token ids for a prompt given as text, chat messages, or ids."""
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
+
+
+def chat_template_takes(tokenizer: Any, name: str) -> bool:
+    """Whether the tokenizer's chat template reads the variable ``name`` (``tools``)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    for source in sources:
+        try:
+            from jinja2 import Environment, meta
+
+            if name in meta.find_undeclared_variables(Environment().parse(source)):
+                return True
+        except Exception:  # noqa: BLE001 - a template with tags of its own: fall back to reading it
+            if name in source:
+                return True
+    return False
+
+
+def _calls_as_text(messages: list[dict]) -> list[dict]:
+    """Assistant turns that called tools, for a template that knows no ``tool_calls``:
+    the calls written into the content as JSON lines, so the model still reads what it
+    called."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            import json
+
+            lines = [json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})},
+                                ensure_ascii=False) for c in calls]
+            message = {k: v for k, v in message.items() if k != "tool_calls"}
+            message["content"] = "\n".join(filter(None, [message.get("content") or "", *lines]))
+        out.append(message)
+    return out
+
+
+def encode_prompt(tokenizer: Any, prompt: Any, chat: bool | None = None, tools: list[dict] | None = None) -> list[int]:
+    """Token ids for a prompt given as text, chat messages, or ids. Text is a user
+    message put through the chat template when ``chat`` is True, or None and the
+    tokenizer has a template; raw text otherwise. Messages always go through the
+    template, with ``tools`` where given (a template that does not read them refuses)."""
     if isinstance(prompt, str):
         if not prompt.strip():
             raise ValueError("prompt: expected non-empty text, got an empty string")
+        if tokenizer is None:
+            raise ValueError("prompt: text needs a tokenizer; pass token ids")
+        if chat is None:
+            chat = has_chat_template(tokenizer)
         if chat:
-            if not getattr(tokenizer, "chat_template", None):
+            if not has_chat_template(tokenizer):
                 raise ValueError("chat: the tokenizer has no chat template; pass chat=False for raw text")
             prompt = [{"role": "user", "content": prompt}]
         else:
             return list(tokenizer(prompt, add_special_tokens=False).input_ids) or _empty()
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        if not has_chat_template(tokenizer):
+            raise ValueError("messages: the tokenizer has no chat template; pass raw text with chat=False, or ids")
+        if tools and not chat_template_takes(tokenizer, "tools"):
+            raise ValueError("tools: this model's chat template does not take tools")
+        messages = list(prompt)
+        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in str(tokenizer.chat_template):
+            messages = _calls_as_text(messages)
+        from jinja2 import TemplateError
+
+        try:
+            ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                tokenize=True)
+        except TemplateError as err:
+            raise ValueError(f"messages: the model's chat template refused them: {err}") from None
         if not isinstance(ids, list):  # BatchEncoding in transformers 5
             ids = ids["input_ids"]
         return [int(t) for t in ids]

@@ -22,6 +22,9 @@ class StepStats:
 
 @dataclass
 class GenerationResult:
+    """A generation: ``tokens`` as the model emitted them (the token that completed a
+    stop string included) and ``text``, their text up to the stop string (left out)."""
+
     tokens: list[int]
     text: str
     prompt_tokens: int

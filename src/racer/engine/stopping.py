@@ -1,4 +1,6 @@
-"""Where generation ends: the model's end tokens, stop strings and the token limit."""
+"""Where generation ends: the model's end tokens, stop strings and the token limit; and
+what of an answer's text is shown: never a stop string, never a character still being
+written."""
 
 from __future__ import annotations
 
@@ -51,3 +53,31 @@ class Stopper:
                     self.reason = "stop"
                     return Chunk(out, True)
         return Chunk(out, len(emitted) + len(out) >= self.limit)
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop string, which is left out (as OpenAI and vLLM do),
+    and whether one was found."""
+    found = [text.find(s) for s in stops if s in text]
+    return (text[: min(found)], True) if found else (text, False)
+
+
+def visible_text(text: str, stops: Sequence[str], final: bool) -> str:
+    """What of a growing answer's ``text`` can be shown now: everything before a stop
+    string; before the end, also not a trailing partial character (its other bytes are
+    still to come) nor a tail that may be the start of a stop string."""
+    cut, stopped = cut_at_stop(text, stops)
+    if final or stopped:
+        return cut
+    if cut.endswith("\ufffd"):
+        cut = cut[:-1]
+    hold = max((n for s in stops for n in range(min(len(s) - 1, len(cut)), 0, -1) if cut.endswith(s[:n])),
+               default=0)
+    return cut[: len(cut) - hold]
+
+
+def answer_text(tokenizer: Any, tokens: Sequence[int], stops: Sequence[str]) -> str:
+    """A finished answer's text: its tokens decoded, up to the stop string that ended it."""
+    if tokenizer is None:  # callers that work in token ids only
+        return ""
+    return cut_at_stop(tokenizer.decode(list(tokens), skip_special_tokens=True), stops)[0]

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 
-from racer import GenerationOptions, TokenSpans, encode_prompt
+from racer import GenerationOptions, TokenSpans, chat_template_takes, encode_prompt, visible_text
 from racer.serve import protocol
 from racer.serve.engine import Engine, QueueFull, asyncio_sink
 from racer.serve.metrics import Metrics
@@ -26,6 +31,16 @@ PAGE = Path(__file__).resolve().parent / "static"  # the chat page: plain HTML, 
 
 
 MEMORY_SCOPES = ("request", "server", "user")
+MAX_BODY = 4 << 20  # bytes of a request body; prompts are bounded by the context window as well
+# The routes /metrics counts requests by; any other path is "other", so that probing
+# URLs cannot grow the server's time series without bound.
+ROUTES = ("/", "/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+def route_label(path: str) -> str:
+    if path in ROUTES:
+        return path
+    return "/static/{file}" if path.startswith("/static/") else "other"
 
 
 class Served:
@@ -35,13 +50,18 @@ class Served:
     ``method``: the draft method, as ``/health`` tells the chat page."""
 
     def __init__(self, engine: Engine, name: str, tokenizer: Any, context: int, api_key: str | None,
-                 default_max_tokens: int, metrics: Metrics, memory_scope: str = "server", method: str = "") -> None:
+                 default_max_tokens: int, metrics: Metrics, memory_scope: str = "server", method: str = "",
+                 max_body: int = MAX_BODY) -> None:
         if memory_scope not in MEMORY_SCOPES:
             raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
         self.engine, self.name, self.tokenizer, self.context = engine, name, tokenizer, context
         self.api_key, self.default_max_tokens, self.metrics = api_key, default_max_tokens, metrics
         self.memory_scope = memory_scope
         self.method = method
+        self.max_body = max_body
+        # Parsing, templating and tokenizing a request run here, off the event loop: a
+        # large body must not hold up /health and the streams in flight.
+        self.preparer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="racer-prepare")
 
     def scope(self, request: protocol.Request) -> Any:
         if self.memory_scope == "server":
@@ -55,35 +75,68 @@ def error_response(err: protocol.ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+class Guard:
+    """The API key on /v1/ routes, every answer counted by route and status, and a 500
+    in OpenAI's error body for a bug (the server goes on). Plain ASGI, so that a
+    handler reads its client's disconnect itself."""
+
+    def __init__(self, app: Any, served: Served) -> None:
+        self.app, self.served = app, served
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, served = scope["path"], self.served
+        status = 500
+        if served.api_key and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if given != f"Bearer {served.api_key}":
+                served.metrics.request(route_label(path), 401)
+                return await error_response(protocol.ApiError(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key", kind="invalid_request_error"))(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as err:  # noqa: BLE001 - a bug answers 500, the server goes on
+            traceback.print_exc(file=sys.stderr)
+            status = 500
+            if not started:
+                await error_response(protocol.ApiError(500, f"internal error: {type(err).__name__}: {err}",
+                                                       kind="server_error"))(scope, receive, send)
+        finally:
+            served.metrics.request(route_label(path), status)
+
+
 def create_app(served: Served) -> FastAPI:
     app = FastAPI(title="racer", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def guard(request: HttpRequest, call_next: Any) -> Any:
-        path = request.url.path
-        if served.api_key and path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if given != f"Bearer {served.api_key}":
-                served.metrics.request(path, 401)
-                return error_response(protocol.ApiError(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key", kind="invalid_request_error"))
-        try:
-            response = await call_next(request)
-        except Exception as err:  # noqa: BLE001 - a bug answers 500, the server goes on
-            served.metrics.request(path, 500)
-            return error_response(protocol.ApiError(500, f"internal error: {type(err).__name__}: {err}",
-                                                    kind="server_error"))
-        served.metrics.request(path, response.status_code)
-        return response
+    app.add_middleware(Guard, served=served)
 
     @app.exception_handler(protocol.ApiError)
     async def api_error(request: HttpRequest, err: protocol.ApiError) -> JSONResponse:
         return error_response(err)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, err: HTTPException) -> JSONResponse:
+        # Unknown routes, wrong methods, missing files: OpenAI's error body too.
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"no such route or file: {where}",
+                   405: f"method not allowed: {where} (allowed: {(err.headers or {}).get('Allow', '')})"}
+        return error_response(protocol.ApiError(err.status_code, message.get(err.status_code, f"{where}: {err.detail}"),
+                                                code="not_found" if err.status_code == 404 else None,
+                                                headers=dict(err.headers or {})))
+
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.engine.held}
+        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.engine.held,
+                "api_key_required": bool(served.api_key)}
 
     @app.get("/")
     async def page() -> FileResponse:
@@ -103,13 +156,63 @@ def create_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: HttpRequest) -> Any:
-        return await complete(served, "chat", await request.body())
+        return await complete(served, "chat", request)
 
     @app.post("/v1/completions")
     async def completions(request: HttpRequest) -> Any:
-        return await complete(served, "completion", await request.body())
+        return await complete(served, "completion", request)
 
     return app
+
+
+async def read_body(chunks: AsyncIterator[bytes], length: str | None, limit: int) -> bytes:
+    """A request's body, refused with 413 past ``limit`` bytes: before reading when its
+    Content-Length says so, else as soon as what arrived says so."""
+    too_large = protocol.ApiError(413, f"the request body is larger than this server takes ({limit} bytes; "
+                                       "racer serve --max-body sets it)", code="request_too_large")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise protocol.ApiError(400, f"Content-Length: expected a number of bytes, got {length!r}")
+        if int(length) > limit:
+            raise too_large
+    body, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        body.append(chunk)
+    return b"".join(body)
+
+
+@dataclass
+class Prepared:
+    """A request checked and encoded: what the engine is handed."""
+
+    request: protocol.Request
+    ids: list[int]
+    options: GenerationOptions
+
+
+def prepare(served: Served, kind: str, raw: bytes) -> Prepared:
+    """Parse, check, template and tokenize one request (on the preparer's threads)."""
+    request = protocol.parse_request(kind, protocol.parse_json(raw), served.name)
+    if request.tools and not chat_template_takes(served.tokenizer, "tools"):
+        raise protocol.bad("tools", "this model's chat template does not take tools", code="unsupported_parameter")
+    try:
+        ids = encode_prompt(served.tokenizer, request.prompt, request.chat, tools=request.tools)
+    except ValueError as err:
+        raise protocol.bad("messages" if request.chat else "prompt", str(err)) from err
+    if len(ids) >= served.context:
+        raise protocol.ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {served.context}",
+                                param="messages" if request.chat else "prompt", code="context_length_exceeded")
+    return Prepared(request, ids, _options(served, request, len(ids)))
+
+
+async def _client_gone(http: HttpRequest) -> None:
+    """Returns when the client closes its connection (its body has been read, so the
+    next message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _options(served: Served, request: protocol.Request, prompt_tokens: int) -> GenerationOptions:
@@ -125,17 +228,12 @@ def _options(served: Served, request: protocol.Request, prompt_tokens: int) -> G
                              top_p=request.top_p, seed=request.seed)
 
 
-async def complete(served: Served, kind: str, raw: bytes) -> Any:
-    request = protocol.parse_request(kind, protocol.parse_json(raw), served.name)
-    try:
-        ids = encode_prompt(served.tokenizer, request.prompt, request.chat)
-    except ValueError as err:
-        raise protocol.bad("messages" if request.chat else "prompt", str(err)) from err
-    if len(ids) >= served.context:
-        raise protocol.ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {served.context}",
-                                param="messages" if request.chat else "prompt", code="context_length_exceeded")
-    options = _options(served, request, len(ids))
-    box, deliver = asyncio_sink(asyncio.get_running_loop())
+async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
+    raw = await read_body(http.stream(), http.headers.get("content-length"), served.max_body)
+    loop = asyncio.get_running_loop()
+    prepared = await loop.run_in_executor(served.preparer, prepare, served, kind, raw)
+    request, ids, options = prepared.request, prepared.ids, prepared.options
+    box, deliver = asyncio_sink(loop)
     try:
         ticket = served.engine.submit(ids, options, deliver, served.scope(request))
     except QueueFull as err:
@@ -144,14 +242,20 @@ async def complete(served: Served, kind: str, raw: bytes) -> Any:
     started = time.perf_counter()
     if request.stream:
         return StreamingResponse(_stream(served, request, ids, box, ticket, started), media_type="text/event-stream")
+    # A whole answer: the client may give up (a timeout) while it waits or decodes, and
+    # then its row is freed at the next step rather than decoded to max_tokens.
+    collecting, gone = asyncio.ensure_future(_collect(box)), asyncio.ensure_future(_client_gone(http))
     try:
-        tokens, result = await _collect(box)
-    except asyncio.CancelledError:
-        served.engine.cancel(ticket)
-        raise
-    text = served.tokenizer.decode(tokens, skip_special_tokens=True)
-    text, stopped = protocol.cut_at_stop(text, request.stop)
-    finish = "stop" if stopped else _FINISH.get(result.stop_reason, "stop")
+        await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collecting.done():
+            served.engine.cancel(ticket)
+            collecting.cancel()
+        gone.cancel()
+    if not collecting.done() or collecting.cancelled():
+        return Response(status_code=499)  # nobody is there to read it; counted as such in /metrics
+    _, result = collecting.result()
+    text, finish = result.text, _FINISH.get(result.stop_reason, "stop")  # the engine's text stops before a stop
     served.metrics.finished(result, time.perf_counter() - started)
     stats = _stats(result, TokenSpans.of(served.tokenizer, result).spans(0, len(text))) if request.racer_stats else None
     return protocol.response(request, served.name, text, finish, protocol.usage(len(ids), len(result.tokens)), stats)
@@ -197,7 +301,6 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
     extension each chunk also says which source drafted its text (runs ``[characters,
     source, step]``) and which steps (``[step, nodes verified, tokens, of
     which drafted]``) emitted tokens since the last chunk."""
-    hold = max((len(s) for s in request.stop), default=1) - 1
     tokens: list[int] = []
     shown = ""
     result = None
@@ -224,23 +327,19 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
                 return
             # The spans decode the same tokens already: one decoding an update, not two.
             text = spans.text if spans is not None else served.tokenizer.decode(tokens, skip_special_tokens=True)
-            text, stopped = protocol.cut_at_stop(text, request.stop)
-            if result is None and not stopped:
-                text = text[:-1] if text.endswith("\ufffd") else text
-                text = text[: max(len(text) - hold, len(shown))] if hold else text
+            text = visible_text(text, request.stop, final=result is not None)
             if len(text) > len(shown) and text.startswith(shown):
                 extension = None
                 if spans is not None:
                     extension, passes = {"spans": spans.spans(len(shown), len(text)), "steps": passes}, []
                 yield _sse(protocol.chunk(request, served.name, text[len(shown):], None, racer=extension))
                 shown = text
-        final = protocol.cut_at_stop(served.tokenizer.decode(tokens, skip_special_tokens=True), request.stop)
-        finish = "stop" if final[1] else _FINISH.get(result.stop_reason, "stop")
+        finish = _FINISH.get(result.stop_reason, "stop")
         extension = {"spans": [], "steps": passes} if spans is not None else None
         yield _sse(protocol.chunk(request, served.name, None, finish, racer=extension))
         served.metrics.finished(result, time.perf_counter() - started)
         if request.include_usage:
-            stats = _stats(result, spans.spans(0, len(final[0]))) if spans is not None else None
+            stats = _stats(result, spans.spans(0, len(result.text))) if spans is not None else None
             yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens)), stats))
         yield b"data: [DONE]\n\n"
     finally:

@@ -50,6 +50,7 @@ class Request:
     include_usage: bool
     racer_stats: bool
     user: str | None = None
+    tools: list[dict] | None = None  # for the chat template; calls come back as text
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -58,7 +59,7 @@ class Request:
 # their neutral value (OpenAI's clients send some of them as null or defaults).
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream", "stream_options",
            "user", "racer"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"}
 _COMPLETION = _COMMON | {"prompt"}
 _NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0),
             "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
@@ -102,7 +103,56 @@ def _integer(body: dict, name: str, low: int) -> int | None:
     return value
 
 
+def _text(value: Any, where: str, nullable: bool = False) -> str | None:
+    """A message's content: a string or text parts (joined); None only where ``nullable``."""
+    if value is None and nullable:
+        return None
+    if isinstance(value, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in value):
+            raise bad(where, "only text content parts are supported")
+        return "".join(p["text"] for p in value)
+    if not isinstance(value, str):
+        expected = "a string or null (with tool_calls)" if nullable else "a string"
+        raise bad(where, f"expected {expected}, got {type(value).__name__ if value is not None else 'null'}")
+    return value
+
+
+def _tool_calls(value: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates take them: each call's
+    ``arguments`` (OpenAI sends a JSON string) parsed into an object where it is one."""
+    if not isinstance(value, list):
+        raise bad(where, f"expected a list of tool calls, got {type(value).__name__}")
+    calls = []
+    for index, call in enumerate(value):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad(f"{at}.function", "expected an object with the function's name and arguments")
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", f"expected 'function', got {call.get('type')!r}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                parsed = arguments  # the model's own malformed call, sent back as it was
+            arguments = parsed
+        out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_FIELDS = {"system": {"name"}, "developer": {"name"}, "user": {"name"},
+                   "assistant": {"name", "tool_calls", "refusal"}, "tool": {"tool_call_id", "name"}}
+
+
 def _messages(value: Any) -> list[dict]:
+    """Chat messages, agent turns included: ``tool`` results and assistant turns that
+    called tools (``content`` null with ``tool_calls``)."""
     if not isinstance(value, list) or not value:
         raise bad("messages", "expected a non-empty list of messages")
     out = []
@@ -110,21 +160,52 @@ def _messages(value: Any) -> list[dict]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise bad(where, f"expected an object with role and content, got {type(message).__name__}")
-        role, content = message.get("role"), message.get("content")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise bad(f"{where}.role", f"expected system, developer, user or assistant, got {role!r}")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise bad(f"{where}.content", "only text content parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise bad(f"{where}.content", f"expected a string, got {type(content).__name__}")
-        extra = set(message) - {"role", "content", "name"}
+        role = message.get("role")
+        if role not in _ROLES:
+            hint = " (function messages are tool messages now)" if role == "function" else ""
+            raise bad(f"{where}.role", f"expected {', '.join(_ROLES[:-1])} or tool, got {role!r}{hint}")
+        extra = set(message) - {"role", "content"} - _MESSAGE_FIELDS[role]
         if extra:
-            raise bad(f"{where}.{sorted(extra)[0]}", "not supported")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+            raise bad(f"{where}.{sorted(extra)[0]}", f"not supported in a {role} message")
+        calls = message.get("tool_calls")
+        content = _text(message.get("content"), f"{where}.content", nullable=role == "assistant")
+        entry: dict = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if calls is not None:
+            entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        elif content is None:
+            raise bad(f"{where}.content", "expected a string (null only beside tool_calls)")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}.tool_call_id", "expected the id of the tool call this message answers")
+            entry["tool_call_id"] = call_id
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
     return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    """``tools`` for the chat template (None: none offered, or ``tool_choice`` "none").
+    Tool calls come back as the model's text: racer parses none, so it cannot force one."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad("tool_choice", "expected 'auto' or 'none': tool calls are returned as the model's text, so "
+                                 "racer cannot force one", code="unsupported_parameter")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", f"expected true or false, got {parallel!r}")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools", f"expected a list of tools, got {type(tools).__name__}")
+    for index, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad(f"tools[{index}].type", "expected a tool of type 'function'")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise bad(f"tools[{index}].function", "expected an object with the function's name (and parameters)")
+    return None if choice == "none" else [dict(tool) for tool in tools]
 
 
 def _prompt(value: Any) -> tuple[Any, bool]:
@@ -203,15 +284,10 @@ def parse_request(kind: str, body: dict, served: str) -> Request:
     if not isinstance(extras, bool):
         raise bad("racer", f"expected true or false (add racer's statistics and each token's draft source to the "
                            f"response), got {extras!r}")
+    tools = _tools(body) if kind == "chat" else None
     return Request(kind, prompt, chat, max_tokens, _number(body, "temperature", 1.0, 0.0, 2.0),
                    _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed, stops, bool(stream),
-                   include_usage, extras, user)
-
-
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` up to the first stop string (OpenAI leaves it out), and whether one was found."""
-    found = [text.find(s) for s in stops if s in text]
-    return (text[: min(found)], True) if found else (text, False)
+                   include_usage, extras, user, tools)
 
 
 def draft_counts(steps: list) -> dict:

@@ -4,12 +4,14 @@ uvicorn; SIGTERM (or Ctrl-C) stops accepting, lets streams in flight finish for 
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 import racer
-from racer.serve.app import MEMORY_SCOPES, Served, create_app
+from racer.serve.app import MAX_BODY, MEMORY_SCOPES, Served, create_app
 from racer.serve.engine import Engine
 from racer.serve.metrics import Metrics
 
@@ -17,22 +19,27 @@ from racer.serve.metrics import Metrics
 def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = "float32", device: str | None = None,
           host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 32,
           api_key: str | None = None, default_max_tokens: int = 1024, prefill_chunk: int = 512,
-          grace: float = 10.0, memory_scope: str = "server", announce: Callable[[str], None] | None = None) -> None:
-    """Serve ``model_name`` (default: the embedded model) with ``method`` until stopped."""
+          grace: float = 10.0, memory_scope: str = "server", max_body: int = MAX_BODY,
+          announce: Callable[[str], None] | None = None) -> None:
+    """Serve ``model_name`` (default: the embedded model) with ``method`` until stopped.
+    The port is taken first, so that a busy one is said at once, not after the model
+    has loaded; it accepts connections once the model is loaded and timed."""
     import uvicorn
 
     say = announce or (lambda text: print(f"racer serve: {text}", file=sys.stderr, flush=True))
     for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("default_max_tokens", default_max_tokens),
-                        ("prefill_chunk", prefill_chunk)):
+                        ("prefill_chunk", prefill_chunk), ("max_body", max_body)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
             raise ValueError(f"{name}: expected a {'non-negative' if name == 'max_queue' else 'positive'} integer, "
                              f"got {value!r}")
     if memory_scope not in MEMORY_SCOPES:
         raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
     racer.parse_method(method)  # a bad spec fails before the model loads
+    listener = bind(host, port)
 
     def build() -> racer.BatchDecoder:  # on the engine's thread: one OpenMP team (serve/engine.py)
-        model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device)
+        say(f"loading {model_name or racer.DEFAULT_MODEL} ({dtype}); the port opens when it is ready")
+        model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device, announce=say)
         decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
         decoder.calibrate(announce=say)
         return decoder
@@ -43,7 +50,8 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     model, tokenizer = decoder.model, decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
     context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method)
+    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
+                    max_body)
     app = create_app(served)
 
     @asynccontextmanager
@@ -57,4 +65,26 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace,
                             access_log=False)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and not yet listening (connections are refused
+    until uvicorn listens on it); a clear error when the address cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, OverflowError) as err:
+        raise ValueError(f"--host: cannot listen on {host!r} ({err})") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as err:
+        listener.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port: {host}:{port} is already in use (another server?); pick another with --port") \
+                from None
+        raise ValueError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror or err})") from None
+    listener.set_inheritable(True)
+    return listener

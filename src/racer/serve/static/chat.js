@@ -10,11 +10,23 @@ let aborter = null;
 
 function show(text) { $("error").textContent = text; $("error").hidden = !text; }
 
+// A server started with --api-key wants it on /v1/ routes; the page keeps it for this
+// tab only (sessionStorage), never in the page or the URL.
+const KEY = "racer-api-key";
+function askForKey() { $("key-field").hidden = false; $("api-key").focus(); }
+function authorization() {
+  const key = $("api-key").value.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 async function connect() {
+  $("api-key").value = sessionStorage.getItem(KEY) || "";
+  $("api-key").addEventListener("change", () => sessionStorage.setItem(KEY, $("api-key").value.trim()));
   try {
     const health = await (await fetch("/health")).json();
     model = health.model;
     $("model").textContent = `${health.model} · ${health.method || ""}`;
+    if (health.api_key_required) $("key-field").hidden = false;
   } catch (err) { show(`the server did not answer /health: ${err}`); }
 }
 
@@ -82,7 +94,7 @@ async function* events(response) {
 
 async function ask(prompt) {
   messages.push({ role: "user", content: prompt });
-  turn("user", prompt);
+  const asked = turn("user", prompt);
   const bubble = turn("assistant", "");
   const stats = { tokens: 0, passes: 1, drafted: 0, sizes: [], seconds: 0 };
   const started = performance.now();
@@ -91,13 +103,14 @@ async function ask(prompt) {
   $("send").disabled = true; $("stop").disabled = false;
   try {
     const response = await fetch("/v1/chat/completions", {
-      method: "POST", signal: aborter.signal, headers: { "Content-Type": "application/json" },
+      method: "POST", signal: aborter.signal, headers: { "Content-Type": "application/json", ...authorization() },
       body: JSON.stringify({ model, messages, stream: true, racer: true,
                              max_tokens: Number($("max-tokens").value) || 256,
                              temperature: Number($("temperature").value) || 0 }),
     });
     if (!response.ok) {
       const body = await response.json().catch(() => ({}));
+      if (response.status === 401) askForKey();
       throw new Error(body.error ? body.error.message : `HTTP ${response.status}`);
     }
     for await (const data of events(response)) {
@@ -121,6 +134,12 @@ async function ask(prompt) {
     }
   } catch (err) {
     if (err.name !== "AbortError") show(String(err.message || err));
+    if (!answer) {  // nothing came back (a refused request): take the turn back, keep the prompt
+      messages.pop();
+      asked.remove(); bubble.remove();
+      $("prompt").value = prompt;
+      return;
+    }
   } finally {
     aborter = null;
     $("send").disabled = false; $("stop").disabled = true;
