@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from racer.bench.serving import (Load, Outcome, ServerProcess, VLLM_METHODS, merge_rounds, parse_counters, table,
-                                 tokens_per_pass, vllm_server, vllm_speculative_config)
+from racer.bench.load import Load, Outcome, merge_rounds
+from racer.bench.prometheus import parse_counters, tokens_per_pass
+from racer.bench.servers import VLLM_METHODS, ServerProcess, vllm_server, vllm_speculative_config
+from racer.bench.serving import table
 
 # Lines as vLLM 0.32's /metrics writes them (labels, _created samples beside _total).
 VLLM_METRICS = """\
@@ -76,7 +78,7 @@ def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, mon
         def __init__(self, command, **kwargs):
             started.update(command=command, **kwargs)
 
-    monkeypatch.setattr("racer.bench.serving.subprocess.Popen", Popen)
+    monkeypatch.setattr("racer.bench.servers.subprocess.Popen", Popen)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     server = vllm_server("racer", 8123, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path,
                          racer_tokens=10)

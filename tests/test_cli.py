@@ -184,3 +184,10 @@ def test_generate_leaves_a_stop_string_out_as_the_server_does(real, capsys):
     assert main(["generate", prompt, "--max-new-tokens", "40", "--threads", "1", "--stop", stop,
                  "--method", "pld"]) == 0
     assert capsys.readouterr().out == plain.text[: plain.text.index(stop)] + "\n"
+
+
+def test_every_command_has_its_function():
+    from racer.cli import COMMANDS, _build_parser
+
+    subcommands = _build_parser()._subparsers._group_actions[0].choices
+    assert sorted(subcommands) == sorted(COMMANDS)

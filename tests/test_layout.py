@@ -102,3 +102,17 @@ def test_every_folder_states_its_rule():
         doc = ast.get_docstring(ast.parse((SRC / folder / "__init__.py").read_text(encoding="utf-8")))
         rule = doc.splitlines()[0]
         assert rule.endswith(".") and len(rule) <= 100, folder
+
+
+def test_the_models_facts_are_worked_out_in_one_module():
+    # Device, dtype, context window and vocabulary (through the text config) come from
+    # ``racer.engine.model_facts``; worked out again elsewhere, they drift apart.
+    import re
+
+    reads = re.compile(r"\.parameters\(\)\)|[.\"']max_position_embeddings\b|\.vocab_size\b|get_text_config")
+    for path in SRC.rglob("*.py"):
+        if path.name == "model_facts.py":
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#")[0]
+            assert not reads.search(code) or "facts.vocab_size" in code, f"{path.relative_to(SRC)}:{number}: {line.strip()}"

@@ -176,14 +176,14 @@ def test_tree_attention_applies_only_where_it_is_exact(monkeypatch):
 
     from racer.fastpaths.attention import tree_attention
 
-    assert tree_attention(make_tiny_llama("sdpa")) is not None
-    assert tree_attention(make_tiny_llama("eager")) is None  # eager layers: their own arithmetic
+    assert tree_attention(make_tiny_llama("sdpa"), "cpu") is not None
+    assert tree_attention(make_tiny_llama("eager"), "cpu") is None  # eager layers: their own arithmetic
     no_groups = make_tiny_llama("sdpa")
     for layer in no_groups.model.layers:
         layer.self_attn.num_key_value_groups = 1
-    assert tree_attention(no_groups) is None  # nothing repeated to save
+    assert tree_attention(no_groups, "cpu") is None  # nothing repeated to save
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", lambda *a, **k: None)
-    assert tree_attention(make_tiny_llama("sdpa")) is None  # the user's own "sdpa" is kept
+    assert tree_attention(make_tiny_llama("sdpa"), "cpu") is None  # the user's own "sdpa" is kept
 
 
 def test_tree_sdpa_keeps_the_stock_path_for_what_it_does_not_handle(monkeypatch):

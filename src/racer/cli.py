@@ -1,5 +1,5 @@
 """Command line: ``racer generate``, ``chat``, ``methods``, ``bench``, ``cost``, ``serve``,
-``bench-serve`` and ``datastore build``; bad input is one line naming the argument and
+``bench-serve``, ``measure`` and ``datastore build``; bad input is one line naming the argument and
 exit status 2, Ctrl-C is exit status 130."""
 
 from __future__ import annotations
@@ -171,6 +171,19 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--out", default="bench-serve", help="folder for serve.json, the plot and server logs")
     _add_model_args(load)
 
+    measure = sub.add_parser("measure", help="time parts of a step and 16-bit agreement, for the figures in docs/")
+    measure.add_argument("what", choices=("costs", "agreement", "kernels", "attention", "evidence", "append",
+                                          "selftest", "batch"))
+    measure.add_argument("--dataset", default="human_eval", help="evidence: the questions")
+    measure.add_argument("--limit", type=_positive, default=10, help="evidence: prompts per category")
+    measure.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
+    measure.add_argument("--dtype", default="bfloat16", help="agreement: the 16-bit format")
+    measure.add_argument("--methods", default="none,pld,racer:capacity=16", help="agreement: the methods")
+    measure.add_argument("--batch-methods", default="none,pld,racer", help="batch: methods, the first the baseline")
+    measure.add_argument("--concurrency", default="1,2,4,8", help="batch: requests decoded together")
+    measure.add_argument("--tokens", type=_positive, default=128, help="new tokens a prompt")
+    measure.add_argument("--threads", type=_positive, default=1, help="CPU threads for torch (default: 1)")
+
     store = sub.add_parser("datastore", help="REST datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="tokenise a corpus and write its suffix array, for rest:datastore=DIR")
@@ -195,7 +208,7 @@ def _setup_torch(threads: int | None) -> int:
     return n
 
 
-def _cmd_methods() -> int:
+def _cmd_methods(args: argparse.Namespace) -> int:
     from racer.drafting import METHODS, method_options
 
     def shown(key: str, value: object) -> str:
@@ -258,7 +271,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_generation_json(args.method, tokenizer, result, plain), ensure_ascii=False))
     if plain is not None:
-        return _report_compare(err, result, plain, args.temperature == 0, str(next(model.parameters()).dtype))
+        return _report_compare(err, result, plain, args.temperature == 0, str(decoder.facts.dtype))
     return 0
 
 
@@ -374,6 +387,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_measure(args: argparse.Namespace) -> int:
+    from racer.bench import measure
+
+    measure.run(args)
+    return 0
+
+
 def _cmd_datastore(args: argparse.Namespace) -> int:
     import time
 
@@ -446,7 +466,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         for row in rows:
             print(f"| {row['requests']} | {row['rss_mib']:.0f} | {row['idle_drafters']:.0f} |")
         return 0
-    from racer.bench.serving import vllm_speculative_config
+    from racer.bench.servers import vllm_speculative_config
 
     vllm_methods = [m for m in args.vllm_methods.split(",") if m]
     for method in vllm_methods:
@@ -461,25 +481,16 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if loads and not any(load.errors for load in loads) else 1
 
 
+COMMANDS = {"generate": _cmd_generate, "chat": _cmd_chat, "methods": _cmd_methods, "bench": _cmd_bench,
+            "cost": _cmd_cost, "serve": _cmd_serve, "bench-serve": _cmd_bench_serve, "measure": _cmd_measure,
+            "datastore": _cmd_datastore}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "methods":
-            return _cmd_methods()
-        if args.command == "bench":
-            return _cmd_bench(args)
-        if args.command == "datastore":
-            return _cmd_datastore(args)
-        if args.command == "cost":
-            return _cmd_cost(args)
-        if args.command == "serve":
-            return _cmd_serve(args)
-        if args.command == "bench-serve":
-            return _cmd_bench_serve(args)
-        if args.command == "chat":
-            return _cmd_chat(args)
-        return _cmd_generate(args)
+        return COMMANDS[args.command](args)
     except (ValueError, LookupError) as err:  # bad input: one clear line, no traceback
         print(f"racer: error: {err}", file=sys.stderr)
         return 2

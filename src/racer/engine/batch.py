@@ -35,6 +35,7 @@ from racer.drafting import Drafter, Method, parse_method
 from racer.drafting.tree import DraftTree, chain
 from racer.engine.decoder import top_ids
 from racer.engine.host import synchronize, to_host
+from racer.engine.model_facts import ModelFacts
 from racer.engine.memory import DrafterPool
 from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.provenance import accepted_sources
@@ -105,10 +106,11 @@ class BatchDecoder:
         self.model, self.tokenizer, self.spec = model, tokenizer, method
         self.method: Method = parse_method(method)  # checks the spec once
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.fast_paths = FastPaths.of(fast_paths).on(next(model.parameters()).device.type)
+        self.facts = ModelFacts.of(model)
+        self.fast_paths = FastPaths.of(fast_paths).on(self.facts.device.type)
         if check:
             self_test(model)
-        self.core = TreeVerifier(model, self.fast_paths)
+        self.core = TreeVerifier(model, self.fast_paths, self.facts)
         self._windows = WindowCheck(model, self.core.layout, self.core.max_positions, check)
         self.pool: DrafterPool = DrafterPool(4 * max_batch if memory_limit is None else memory_limit)
         self.cost: Any = None
@@ -173,14 +175,14 @@ class BatchDecoder:
         caches of ``cached`` tokens, read as a step reads (for ``calibrate``)."""
         scratch = self._scratch
         if scratch is None or scratch.rows < self.max_batch or scratch.state.lengths[0] < cached:
-            verifier = TreeVerifier(self.model, self.fast_paths)
+            verifier = TreeVerifier(self.model, self.fast_paths, self.facts, self.core.layout)
             rng = np.random.default_rng(0)
-            verifier.prefill([int(t) for t in rng.integers(_vocab(self.model), size=cached)])
+            verifier.prefill([int(t) for t in rng.integers(self.facts.vocab_size, size=cached)])
             scratch = self._scratch = SlotCache(self.model.config)
             for _ in range(self.max_batch):
                 scratch.admit(verifier.cache, cached)
         rng = np.random.default_rng(rows * 1000 + nodes)
-        trees = [random_tree(rng, _vocab(self.model), nodes, max(1, min(nodes - 1, 8))) for _ in range(rows)]
+        trees = [random_tree(rng, self.facts.vocab_size, nodes, max(1, min(nodes - 1, 8))) for _ in range(rows)]
         own, full = self.slots, scratch.state.lengths
         scratch.state.lengths = [cached] * rows
         self.slots, self.core.cache = scratch, scratch.cache
@@ -276,7 +278,7 @@ class BatchDecoder:
     def _prefill_chunk(self, request: _Request, updates: list[Update]) -> None:
         start = time.perf_counter()
         if request.verifier is None:
-            request.verifier = TreeVerifier(self.model, self.fast_paths)
+            request.verifier = TreeVerifier(self.model, self.fast_paths, self.facts, self.core.layout)
         verifier, ids = request.verifier, request.ids
         take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
         if request.prefilled == 0:
@@ -439,8 +441,3 @@ class BatchDecoder:
         request.drafter = request.acceptance = None
         self._finished[request.id] = request
 
-
-def _vocab(model: Any) -> int:
-    config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.vocab_size)

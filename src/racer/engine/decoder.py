@@ -18,6 +18,7 @@ from racer.budget import CostCurve, CostModel, DraftBudget, WholeTree
 from racer.budget.calibration import announce_on_stderr, load_or_measure
 from racer.drafting import Drafter, Method, parse_method
 from racer.engine.host import to_host
+from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
@@ -63,10 +64,11 @@ class Decoder:
         self.model, self.tokenizer = model, tokenizer
         self.method = _resolve_method(method, capacity)
         self.drafter = self.method.drafter
-        self.fast_paths = FastPaths.of(fast_paths).on(next(model.parameters()).device.type)
+        self.facts = ModelFacts.of(model)
+        self.fast_paths = FastPaths.of(fast_paths).on(self.facts.device.type)
         if check:
             self_test(model)
-        self.verifier = TreeVerifier(model, self.fast_paths)
+        self.verifier = TreeVerifier(model, self.fast_paths, self.facts)
         # The self-test past the model's windows waits for the first request that reaches one.
         self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
         self.end_ids = end_token_ids(model, tokenizer)

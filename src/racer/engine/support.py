@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from racer.engine.model_facts import text_config
 from racer.engine.windows import CHUNKED, FULL, SLIDING, AttentionLayout, IndexedWindow, Window
 from racer.fastpaths.kvcache import growing_cache
 
@@ -72,14 +73,6 @@ def check_supported(model: Any) -> AttentionLayout:
     return found
 
 
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    try:
-        return get(decoder=True) if get is not None else config
-    except TypeError:
-        return get()
-
-
 def _layer_types(config: Any) -> tuple[list[str] | None, list[dict]]:
     """The config's layer types and each layer's window arguments, as transformers' own
     caches read them (None where the config names none and transformers cannot say)."""
@@ -122,7 +115,7 @@ def layout(model: Any) -> AttentionLayout:
     cannot verify: a layer with a recurrent or convolution state, a layer type or
     locality setting it does not know, per-layer windows the model cannot take
     separately."""
-    config = _text_config(model.config)
+    config = text_config(model.config)
     kind = getattr(config, "model_type", "?")
     types, kwargs = _layer_types(config)
     for index, layer_type in enumerate(types or []):

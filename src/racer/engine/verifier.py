@@ -7,13 +7,13 @@ The stock modeling code takes prepared 4D masks as-is, so no model file is patch
 
 from __future__ import annotations
 
-import inspect
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from racer.drafting.tree import DraftTree
+from racer.engine.model_facts import ModelFacts
 from racer.engine.support import check_supported
 from racer.engine.windows import AttentionLayout, indexed_windows
 from racer.fastpaths import KERNELS, FastPaths
@@ -26,31 +26,22 @@ def _model_kernel(size: int) -> str:
     return "model"
 
 
-def cache_keyword(model: Any) -> str:
-    """The name under which ``model.forward`` takes its KV cache: ``cache`` (transformers
-    5) or ``past_key_values`` (4.x)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class TreeVerifier:
     """Holds one request's KV cache. Invariant between steps: the cache holds every
     context token except the last emitted one, which is the next tree's root."""
 
-    def __init__(self, model: Any, fast_paths: FastPaths = FastPaths()) -> None:
+    def __init__(self, model: Any, fast_paths: FastPaths = FastPaths(), facts: ModelFacts | None = None,
+                 layout: AttentionLayout | None = None) -> None:
+        """``facts`` and ``layout`` (``check_supported``'s): worked out from the model
+        where not given; a decoder that makes a verifier per request hands its own."""
         self.model = model
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
+        self.facts = facts or ModelFacts.of(model)
+        self.device, self.dtype = self.facts.device, self.facts.dtype
         self.fast_paths = fast_paths.on(self.device.type)
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = cache_keyword(model)
-        if "logits_to_keep" in params:
-            self._keep_kw: str | None = "logits_to_keep"
-        elif "num_logits_to_keep" in params:
-            self._keep_kw = "num_logits_to_keep"
-        else:
-            self._keep_kw = None
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.layout: AttentionLayout = check_supported(model)
+        self._cache_kw = self.facts.cache_keyword
+        self._keep_kw = self.facts.logits_keyword
+        self.max_positions = self.facts.max_positions
+        self.layout: AttentionLayout = layout if layout is not None else check_supported(model)
         self.cache: Any = None
         self.cached = 0
         # Which linear kernel (one of KERNELS) verifies a tree of n nodes: chosen per size
@@ -59,7 +50,8 @@ class TreeVerifier:
         self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
         # heads (None where it does not apply: see ``racer.fastpaths.attention``).
-        self.tree_attention: TreeAttention | None = tree_attention(model) if self.fast_paths.tree_attention else None
+        self.tree_attention: TreeAttention | None = (tree_attention(model, self.device.type)
+                                                     if self.fast_paths.tree_attention else None)
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every

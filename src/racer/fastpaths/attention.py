@@ -7,7 +7,7 @@ torch's SDPA takes the mask and the grouped heads together, and the repeat is a 
 the cache in every layer of every tree pass (``python -m racer.bench.measure attention``
 times what that costs).
 
-``tree_attention(model)`` switches the model's SDPA layers, for the duration of one
+``tree_attention(model, device)`` switches the model's SDPA layers, for the duration of one
 tree pass, to ``tree_sdpa``, registered with transformers' ``AttentionInterface``; no
 model file or module is changed. The switch holds the model's config for that pass, so
 a model shared between threads must not run another forward pass at the same time.
@@ -66,9 +66,9 @@ class TreeAttention:
             config._attn_implementation = saved
 
 
-def tree_attention(model: Any) -> TreeAttention | None:
-    """A ``TreeAttention`` for ``model``'s grouped-query SDPA layers, or None where it
-    does not apply: not a CPU model, no grouped KV heads, layers that do not dispatch
+def tree_attention(model: Any, device: str) -> TreeAttention | None:
+    """A ``TreeAttention`` for ``model``'s grouped-query SDPA layers (on ``device``, a
+    device type), or None where it does not apply: not a CPU model, no grouped KV heads, layers that do not dispatch
     through transformers' ``AttentionInterface`` by name, a torch without
     ``enable_gqa`` (before 2.5), or an "sdpa" the user has replaced with their own."""
     try:
@@ -76,7 +76,7 @@ def tree_attention(model: Any) -> TreeAttention | None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     except ImportError:  # transformers < 4.50
         return None
-    if next(model.parameters()).device.type != "cpu" or tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
+    if device != "cpu" or tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 5):
         return None
     if ALL_ATTENTION_FUNCTIONS.get("sdpa") is not _stock_sdpa():
         return None

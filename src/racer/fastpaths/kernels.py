@@ -2,16 +2,16 @@
 in ways that read the weights fewer times for a few rows.
 
 On a CPU a tree pass is bound by reading the weights. How often a BLAS reads them
-depends on the number of rows: here (MKL on a 2-core EPYC) ``x @ W.T`` for 2-16 rows
-costs up to twice one row, while ``W @ x.T`` and oneDNN's pre-packed weights read the
-weights about once for up to 4-8 rows (``python -m racer.bench.measure kernels``). Which
-kernel is fastest for which tree size is measured per machine by the cost model
-(``racer.budget.calibration.measure``); this module only computes.
+depends on the number of rows: ``x @ W.T`` for a few rows can cost up to several
+one-row products, while ``W @ x.T`` and oneDNN's pre-packed weights can read the
+weights about once for several rows (``python -m racer.bench.measure kernels`` times
+them). Which kernel is fastest for which tree size is measured per machine by the cost
+model (``racer.budget.calibration.measure``); this module only computes.
 
 A kernel is installed for one pass by giving each plain ``nn.Linear`` module an
-instance ``forward`` and taking it away afterwards. An earlier version intercepted
-``linear`` with a ``TorchFunctionMode`` instead, which sends every torch call of the
-pass through Python.
+instance ``forward`` and taking it away afterwards, rather than intercepting ``linear``
+with a ``TorchFunctionMode``, which would send every torch call of the pass through
+Python.
 Modules that already carry an instance ``forward`` (accelerate's hooks), subclasses
 (quantised layers) and weights of other dtypes than their inputs keep the model's
 own path. A model shared between threads must not run another forward pass while a
@@ -65,7 +65,7 @@ def _plain_layers(model: Any) -> list[torch.nn.Linear]:
 def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
     """oneDNN-packed copies of the model's linear weights, built once per model, or None
     where they cannot be had: no oneDNN, not a float32 CPU model (16-bit oneDNN paths
-    are unmeasured here), or a copy that would take more than half the memory still
+    are not offered: their agreement with the model's layers is unchecked), or a copy that would take more than half the memory still
     available (it doubles the weights' footprint)."""
     if model in _packed:
         return _packed[model] or None

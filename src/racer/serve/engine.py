@@ -5,8 +5,8 @@ sink (an asyncio queue on the server's event loop).
 Only this thread touches the decoder, and only this thread runs torch: given a
 function that builds the decoder, it loads the model and times it there too. OpenMP
 gives each thread that opens parallel regions a team of its own, and on a small CPU
-one team's regions run much slower (a one-row product, about 2x here) once another
-thread's team exists; the model must load, be timed and decode on one thread.
+one team's regions run much slower once another thread's team exists (docs/serving.md
+has the figures); the model must load, be timed and decode on one thread.
 A request's life: ``submit`` (refused when the
 queue is full) → waiting → decoding (its tokens flow to its sink) → finished (its
 result goes to the sink and the decoder keeps nothing of it) or cancelled (a client

@@ -49,7 +49,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     decoder = engine.wait_ready()
     model, tokenizer = decoder.model, decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
-    context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    context = decoder.facts.max_positions
     served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
                     max_body)
     app = create_app(served)
