@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from racer.bench.load import Load, Outcome, merge_rounds
+from racer.bench.clients import Load, Outcome, merge_rounds
 from racer.bench.prometheus import parse_counters, tokens_per_pass
 from racer.bench.servers import VLLM_METHODS, ServerProcess, vllm_server, vllm_speculative_config
 from racer.bench.serving import table

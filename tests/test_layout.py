@@ -116,3 +116,14 @@ def test_the_models_facts_are_worked_out_in_one_module():
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             code = line.split("#")[0]
             assert not reads.search(code) or "facts.vocab_size" in code, f"{path.relative_to(SRC)}:{number}: {line.strip()}"
+
+
+def test_no_module_hides_a_name_its_package_hands_on():
+    # A submodule named like a function its package's __init__ exports replaces that
+    # function on the package once anything imports the submodule.
+    for init in SRC.rglob("__init__.py"):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        exported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    for alias in node.names}
+        modules = {path.stem for path in init.parent.glob("*.py")} | {p.name for p in init.parent.iterdir() if p.is_dir()}
+        assert not exported & modules - {"__init__"}, f"{init.parent.name}: {exported & modules}"

@@ -508,7 +508,7 @@ def test_sampling_through_the_server_is_exactly_distributed(server, real):
 
 
 def test_the_load_generator_reports_refused_requests_as_errors(server):
-    from racer.bench.load import run_load
+    from racer.bench.clients import run_load
 
     host, port = server.removeprefix("http://").split(":")
     # The fixture's server wants a key; the load generator sends none, so expect 401s
@@ -519,7 +519,7 @@ def test_the_load_generator_reports_refused_requests_as_errors(server):
 
 def test_the_load_generator_times_streamed_answers(real):
     """``racer bench-serve``'s client: streamed greedy answers, their usage, their times."""
-    from racer.bench.load import merge_rounds, run_load
+    from racer.bench.clients import merge_rounds, run_load
     from racer.bench.prometheus import counters, nodes_per_pass
     from racer.bench.serving import table
 

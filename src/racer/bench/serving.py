@@ -7,7 +7,7 @@ token and request latency (p50, p99). Each method runs in a ``racer serve`` proc
 its own and, as the outside anchor, ``transformers serve --continuous-batching`` on
 the same model folder; every server is started before the first load and the loads are
 interleaved (at each C, every server in turn), so a machine that slows down slows all
-of them alike. Talks to the servers over HTTP only: ``load`` is the clients, ``servers`` the
+of them alike. Talks to the servers over HTTP only: ``clients`` are the clients, ``servers`` the
 processes, ``prometheus`` the metrics they expose; this module runs the loads and
 reports them.
 """
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from racer.bench.load import Load, merge_rounds, prompt_pool, run_load, same_answers, stream_chat
+from racer.bench.clients import Load, merge_rounds, prompt_pool, run_load, same_answers, stream_chat
 from racer.bench.prometheus import counters, nodes_per_pass, tokens_per_pass
 from racer.bench.servers import (ServerProcess, free_port, racer_server, resident_mib, transformers_server,
                                  vllm_server, vllm_speculative_config)
