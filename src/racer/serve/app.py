@@ -222,8 +222,8 @@ def _options(served: Served, request: protocol.Request, prompt_tokens: int) -> G
                                 f"{request.max_tokens} exceed the model's context of {served.context} tokens",
                                 param="max_tokens", code="context_length_exceeded")
     limit = request.max_tokens if request.max_tokens is not None else min(served.default_max_tokens, room)
-    # Stop strings are cut by the server (OpenAI leaves them out of the text); the
-    # engine stops right after the token that completes one.
+    # The engine stops right after the token that completes a stop string and leaves the
+    # string out of its text, as OpenAI does.
     return GenerationOptions(max_new_tokens=max(limit, 1), stop=list(request.stop), temperature=request.temperature,
                              top_p=request.top_p, seed=request.seed)
 
