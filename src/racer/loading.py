@@ -241,11 +241,16 @@ def load_tokenizer(name_or_path: str | os.PathLike | None = None,
         tokenizer = AutoTokenizer.from_pretrained(_embedded_folder(announce))
         _fix_smollm2_tokenizer(tokenizer)
         return tokenizer
-    where, local = _resolve(str(name_or_path))
+    return _from_pretrained(AutoTokenizer, str(name_or_path), *_resolve(str(name_or_path)))
+
+
+def _from_pretrained(kind: Any, name: str, where: str, local: bool, **kwargs: Any) -> Any:
+    """``kind.from_pretrained`` on what ``_resolve`` found for ``name``, its failure said
+    in one line."""
     try:
-        return AutoTokenizer.from_pretrained(where, local_files_only=local)
+        return kind.from_pretrained(where, local_files_only=local, **kwargs)
     except (OSError, ValueError) as err:
-        raise _load_failed(str(name_or_path), local, err) from None
+        raise _load_failed(name, local, err) from None
 
 
 def check_device(device: str | None) -> None:
@@ -304,17 +309,13 @@ def load_model(
     extra: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
     kwargs: dict[str, Any] = {**_dtype_kwargs(torch_dtype), **extra}
     if _is_default(name_or_path):
-        folder = _embedded_folder(announce)
-        tokenizer = load_tokenizer(None)
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        tokenizer = load_tokenizer(None, announce)
+        model = AutoModelForCausalLM.from_pretrained(_embedded_folder(announce), **kwargs)
     else:
         name = str(name_or_path)
-        where, local = _resolve(name)
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local)
-            model = AutoModelForCausalLM.from_pretrained(where, local_files_only=local, **kwargs)
-        except (OSError, ValueError) as err:
-            raise _load_failed(name, local, err) from None
+        where, local = _resolve(name)  # once: it may ask the hub
+        tokenizer = _from_pretrained(AutoTokenizer, name, where, local)
+        model = _from_pretrained(AutoModelForCausalLM, name, where, local, **kwargs)
     if device is not None:
         model = model.to(device)
     model.eval()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -58,19 +60,26 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
 
 
+@functools.lru_cache(maxsize=16)
+def _template_variables(source: str) -> frozenset[str] | None:
+    """The variables a chat template reads (parsed once per template), or None where
+    Jinja cannot parse it alone (tags of transformers' own)."""
+    from jinja2 import Environment, TemplateSyntaxError, meta
+
+    try:
+        return frozenset(meta.find_undeclared_variables(Environment().parse(source)))
+    except TemplateSyntaxError:
+        return None
+
+
 def chat_template_takes(tokenizer: Any, name: str) -> bool:
     """Whether the tokenizer's chat template reads the variable ``name`` (``tools``)."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
     for source in sources:
-        try:
-            from jinja2 import Environment, meta
-
-            if name in meta.find_undeclared_variables(Environment().parse(source)):
-                return True
-        except Exception:  # noqa: BLE001 - a template with tags of its own: fall back to reading it
-            if name in source:
-                return True
+        variables = _template_variables(source)
+        if name in (variables if variables is not None else source):
+            return True
     return False
 
 
@@ -82,8 +91,6 @@ def _calls_as_text(messages: list[dict]) -> list[dict]:
     for message in messages:
         calls = message.get("tool_calls")
         if calls:
-            import json
-
             lines = [json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})},
                                 ensure_ascii=False) for c in calls]
             message = {k: v for k, v in message.items() if k != "tool_calls"}

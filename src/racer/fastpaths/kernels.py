@@ -4,8 +4,7 @@ in ways that read the weights fewer times for a few rows.
 On a CPU a tree pass is bound by reading the weights. How often a BLAS reads them
 depends on the number of rows: ``x @ W.T`` for a few rows can cost up to several
 one-row products, while ``W @ x.T`` and oneDNN's pre-packed weights can read the
-weights about once for several rows (``python -m racer.bench.measure kernels`` times
-them). Which kernel is fastest for which tree size is measured per machine by the cost
+weights about once for several rows (``racer measure kernels`` times them). Which kernel is fastest for which tree size is measured per machine by the cost
 model (``racer.budget.calibration.measure``); this module only computes.
 
 A kernel is installed for one pass by giving each plain ``nn.Linear`` module an
@@ -65,8 +64,9 @@ def _plain_layers(model: Any) -> list[torch.nn.Linear]:
 def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
     """oneDNN-packed copies of the model's linear weights, built once per model, or None
     where they cannot be had: no oneDNN, not a float32 CPU model (16-bit oneDNN paths
-    are not offered: their agreement with the model's layers is unchecked), or a copy that would take more than half the memory still
-    available (it doubles the weights' footprint)."""
+    are not offered: their agreement with the model's layers is unchecked), or a copy
+    that would take more than half the memory still available (it doubles the weights'
+    footprint)."""
     if model in _packed:
         return _packed[model] or None
     weights = {id(m.weight): m.weight for m in _plain_layers(model)}

@@ -107,8 +107,7 @@ class Guard:
             await self.app(scope, receive, sending)
         except Exception as err:  # noqa: BLE001 - a bug answers 500, the server goes on
             traceback.print_exc(file=sys.stderr)
-            status = 500
-            if not started:
+            if not started:  # else the client already has its status; the stream just ends
                 await error_response(protocol.ApiError(500, f"internal error: {type(err).__name__}: {err}",
                                                        kind="server_error"))(scope, receive, send)
         finally:
@@ -254,22 +253,22 @@ async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
         gone.cancel()
     if not collecting.done() or collecting.cancelled():
         return Response(status_code=499)  # nobody is there to read it; counted as such in /metrics
-    _, result = collecting.result()
+    result = collecting.result()
     text, finish = result.text, _FINISH.get(result.stop_reason, "stop")  # the engine's text stops before a stop
     served.metrics.finished(result, time.perf_counter() - started)
     stats = _stats(result, TokenSpans.of(served.tokenizer, result).spans(0, len(text))) if request.racer_stats else None
     return protocol.response(request, served.name, text, finish, protocol.usage(len(ids), len(result.tokens)), stats)
 
 
-async def _collect(box: "asyncio.Queue[tuple]") -> tuple[list[int], Any]:
-    tokens: list[int] = []
+async def _collect(box: "asyncio.Queue[tuple]") -> Any:
+    """A whole request's result, once it is done (its tokens arrive with it)."""
     while True:
         what, value = await box.get()
         if what == "tokens":
-            tokens.extend(value.tokens)
-        elif what == "done":
-            return value.tokens, value
-        elif what == "error":
+            continue
+        if what == "done":
+            return value
+        if what == "error":
             raise protocol.ApiError(500, f"the request failed while decoding: {type(value).__name__}: {value}",
                                     kind="server_error")
         else:

@@ -47,7 +47,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     metrics = Metrics()
     engine = Engine(build, max_queue, on_step=metrics.step)
     decoder = engine.wait_ready()
-    model, tokenizer = decoder.model, decoder.tokenizer
+    tokenizer = decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
     context = decoder.facts.max_positions
     served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
@@ -86,5 +86,4 @@ def bind(host: str, port: int) -> socket.socket:
             raise ValueError(f"--port: {host}:{port} is already in use (another server?); pick another with --port") \
                 from None
         raise ValueError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror or err})") from None
-    listener.set_inheritable(True)
     return listener
