@@ -1,4 +1,4 @@
-"""Continuous batching (``racer.engine.batch``): every request's output is the output of
+"""Continuous batching (``racer.engine.loop``): every request's output is the output of
 decoding it alone, whatever else is in the batch, whoever joins or leaves mid-way."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, lossless_questions, make_ti
 from families import FAMILIES, build, prompts as family_prompts, shared_cost
 from racer import Decoder
 from racer.engine import encode_prompt
-from racer.engine.batch import BatchDecoder
+from racer.engine.loop import BatchDecoder
 
 TINY_LENGTHS = (5, 12, 20, 8, 30, 3, 16, 9)
 
@@ -68,7 +68,7 @@ def test_a_cancelled_request_frees_its_row_and_the_others_go_on(tiny_model):
     cancelled = batch.result(ids[1])
     assert cancelled.stop_reason == "cancelled" and len(cancelled.tokens) < 24
     assert [batch.result(i).tokens for i in (ids[0], ids[2], ids[3])] == [alone[0], alone[2], alone[3]]
-    assert batch.slots.rows == 0
+    assert batch.rows.lengths == [] and batch.active == 0
 
 
 def test_stop_and_limits_end_each_request_on_its_own(tiny_model):
@@ -111,7 +111,7 @@ def test_bad_arguments_name_themselves(tiny_model, kwargs, pattern):
 
 
 def test_a_batched_step_reads_the_device_once(tiny_model, monkeypatch):
-    import racer.engine.batch as batching
+    import racer.engine.loop as batching
 
     reads = []
     real = batching.to_host
@@ -139,3 +139,27 @@ def test_real_model_requests_batch_losslessly(real):
     tokens = LOSSLESS_NEW_TOKENS // 2
     results = batch.generate_all(prompts, max_new_tokens=tokens)
     assert [r.tokens for r in results] == [hf_greedy(model, p, tokens) for p in prompts]
+
+
+def test_a_step_that_holds_one_request_is_chosen_per_node(tiny_model, monkeypatch):
+    # Alone in a batch engine, a request's tree is chosen as a lone Decoder's is (per
+    # node); two or more share the batch's cap.
+    from racer.budget import BatchBudget, DraftBudget
+
+    batch = BatchDecoder(tiny_model, None, "racer", max_batch=2, cost=shared_cost(), check=False)
+    assert isinstance(batch.budget, BatchBudget) and isinstance(batch.lone_budget, DraftBudget)
+    chosen = []
+    for name, budget in (("lone", batch.lone_budget), ("batch", batch.budget)):
+        real = budget.select
+        monkeypatch.setattr(budget, "select", lambda trees, *rest, real=real, name=name:
+                            chosen.append((name, len(trees))) or real(trees, *rest))
+    prompts = tiny_prompts()[:2]
+    alone = [Decoder(tiny_model, None, "racer", cost=shared_cost(), check=False).generate(p, max_new_tokens=16).tokens
+             for p in prompts]
+    assert batch.generate_all(prompts[:1], max_new_tokens=16)[0].tokens == alone[0]
+    assert chosen and set(chosen) == {("lone", 1)}
+    chosen.clear()
+    assert [r.tokens for r in batch.generate_all(prompts, max_new_tokens=16)] == alone
+    assert ("batch", 2) in chosen and all(n == 1 for name, n in chosen if name == "lone")
+    assert BatchDecoder(tiny_model, None, "racer:capacity=8", max_batch=2, cost=shared_cost(),
+                        check=False).lone_budget is None  # a fixed capacity verifies every node

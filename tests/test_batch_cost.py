@@ -1,5 +1,5 @@
 """The cost of a batch's step (``racer.budget.batch_cost``), measured on batched passes
-(``calibration.measure_batch``), and the budget's pause when drafts do not pay."""
+(``racer.engine.calibration.measure_batch``), and the budget's pause when drafts do not pay."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from racer.budget import AcceptanceModel, CostModel
 from racer.budget.batch import BatchBudget
 from racer.budget.batch_cost import BatchCostModel, PerNodeCurve, as_batch_cost, nodes_to_measure, rows_to_measure
-from racer.budget.calibration import measure_batch
+from racer.engine.calibration import measure_batch
 from racer.drafting.tree import DraftTree
 from test_batch_budget import Fixed, wide_tree
 
@@ -90,7 +90,7 @@ def test_drafting_pauses_while_drafts_do_not_pay_and_probes_again():
     never = never_accepted()
     drafted = []
     for _ in range(40):
-        if budget.step_drafts():
+        if budget.drafts():
             drafted.append(True)
             kept = budget.select([wide_tree()] * 4, [never] * 4, [32] * 4)
             assert all(len(t) == 1 for t in kept)
@@ -109,7 +109,7 @@ def test_one_request_whose_drafts_pay_in_bursts_drafts_every_step():
         table.refresh(1, 2, 32, synthetic(1, 2, 32), synthetic(1, 2, 32) + 0.001, 0.0005)
     budget, never, sure = BatchBudget(table), Fixed(0.0), Fixed(0.95)
     for step in range(40):
-        assert budget.step_drafts(), step
+        assert budget.drafts(), step
         kept = budget.select([wide_tree()], [sure if step % 4 == 0 else never], [32])
         if step % 4 == 0:
             assert len(kept[0]) > 1, step
@@ -119,7 +119,7 @@ def test_drafting_goes_on_while_drafts_pay():
     table = measure_batch(synthetic, [1, 2, 4], repeats=1)
     budget = BatchBudget(table)
     for _ in range(20):
-        assert budget.step_drafts()
+        assert budget.drafts()
         kept = budget.select([wide_tree()] * 2, [Fixed(0.9)] * 2, [32] * 2)
         assert len(kept[0]) > 1
     assert budget.ask(64) == 2 * budget.last_cap + 8
@@ -127,7 +127,7 @@ def test_drafting_goes_on_while_drafts_pay():
 
 def test_a_batch_decoder_measures_its_passes_once(tmp_path, monkeypatch):
     from conftest import make_tiny_llama
-    from racer.engine.batch import BatchDecoder
+    from racer.engine.loop import BatchDecoder
 
     monkeypatch.setenv("RACER_CACHE", str(tmp_path))
     model = make_tiny_llama()

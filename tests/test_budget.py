@@ -88,7 +88,7 @@ def test_bad_input():
 
 
 # -- the acceptance model and the budget that uses it -------------------------------------
-from racer.budget import AcceptanceModel, DraftBudget, evidence_levels  # noqa: E402
+from racer.budget import AcceptanceModel, DraftBudget, StepTiming, evidence_levels  # noqa: E402
 from racer.budget.cost import MAX_VARIANCE, CostModel  # noqa: E402
 from racer.drafting.tree import DraftTree, TreeBuilder  # noqa: E402
 
@@ -191,8 +191,8 @@ def test_budget_keeps_the_full_tree_on_a_flat_curve_and_shrinks_on_a_steep_one()
     tree = wide_tree()
     flat = DraftBudget(Fixed(lambda n: 1.0))
     steep = DraftBudget(Fixed(lambda n: float(n)))
-    assert len(flat.select(tree, 100)) == len(tree)
-    chosen = steep.select(tree, 100)
+    assert len(flat.select([tree], [AcceptanceModel()], [100])[0]) == len(tree)
+    [chosen] = steep.select([tree], [AcceptanceModel()], [100])
     assert 1 <= len(chosen) < len(tree)
     # The kept part is a subtree of the candidate: every kept node's path is in it.
     for node in range(1, len(chosen)):
@@ -203,9 +203,10 @@ def test_budget_refreshes_the_cost_curve_with_step_times():
     cost = Fixed(lambda n: 1.0)
     budget = DraftBudget(cost)
     tree = wide_tree(5)
-    budget.observe(tree, [0, 1], 42, 0.25)
-    assert cost.seen == [(5, 42, 0.25)]
-    budget.finish()  # a curve without save() is fine
+    budget.observe(StepTiming([tree], [42], pass_s=0.2, step_s=0.25, drafting_s=0.05))
+    assert cost.seen == [(5, 42, 0.25)]  # the whole step's time, by the verified tree's size
+    with pytest.raises(ValueError, match="one row"):
+        budget.select([tree, tree], [AcceptanceModel()] * 2, [0, 0])
 
 
 # -- the cost model -----------------------------------------------------------------------
@@ -274,8 +275,8 @@ def test_budget_chooses_by_a_fresh_draw_of_an_uncertain_curve():
     sizes = {}
     for spread in (1e-9, 0.3 ** 2):
         curve = CostModel([1, 9], [0.1, 0.1 * 1.8], length=0, variance=[spread, spread])
-        budget = DraftBudget(curve, AcceptanceModel(strength=1e6))  # rates pinned near the prior 0.5
-        sizes[spread] = {len(budget.select(tree, 0)) for _ in range(50)}
+        budget, pinned = DraftBudget(curve), AcceptanceModel(strength=1e6)  # rates pinned near the prior 0.5
+        sizes[spread] = {len(budget.select([tree], [pinned], [0])[0]) for _ in range(50)}
     assert len(sizes[1e-9]) == 1 and len(sizes[0.3 ** 2]) > 1
 
 

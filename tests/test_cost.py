@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, hf_greedy, make_tiny_llama
-from racer.budget.calibration import cost_file, load_or_measure, measure
+from racer.engine.calibration import cost_file, load_or_measure, measure
 from racer.budget.cost import CostModel
 from racer.budget import DraftBudget, WholeTree
 from racer.drafting import RacerDrafter, parse_method
@@ -21,7 +21,7 @@ def test_measure_times_every_size_that_fits(tiny):
 
 
 def test_timing_says_how_far_it_is_and_how_long_is_left(tiny, monkeypatch):
-    from racer.budget import calibration
+    from racer.engine import calibration
 
     heard: list[str] = []
     progress = calibration.Progress(heard.append, "timing", total=4, every=0.0)
@@ -94,7 +94,7 @@ def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):
     assert load_or_measure(model, refresh=True).seconds[0] != 123.0
     other = make_tiny_llama(seed=1).to(dtype=__import__("torch").bfloat16)
     assert cost_file(other) != cost_file(model)  # dtype is part of the key
-    from racer.budget import calibration
+    from racer.engine import calibration
 
     isa = calibration.cpu_info()
     monkeypatch.setattr(calibration, "cpu_info", lambda: {**isa, "isa": isa["isa"] + ["another-extension"]})
@@ -161,4 +161,33 @@ def test_auto_capacity_on_the_real_model_is_lossless_and_learns(real, method):
     assert result.tokens == hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
     sizes = {s.tree_size for s in result.steps}
     assert len(sizes) > 1  # the budget chose per step
-    assert sum(t for _, t in decoder.budget.acceptance.counts.values()) > 0
+    assert sum(t for _, t in decoder.acceptance.counts.values()) > 0  # kept for the decoder's next request
+
+
+def test_one_save_policy_for_one_row_and_many(tmp_path, monkeypatch):
+    # A table the engine read or measured learns from its steps and is saved back once
+    # nothing is in flight, with one row or many; a curve handed in stays the caller's.
+    import json
+
+    from racer import BatchDecoder
+    from racer.budget.batch_cost import BatchCostModel
+
+    monkeypatch.setenv("RACER_CACHE", str(tmp_path))
+    monkeypatch.delenv("RACER_COST_CACHE", raising=False)
+    model = make_tiny_llama(seed=3)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5]
+    for engine in (Decoder(model, None, "racer", check=False).engine,
+                   BatchDecoder(model, None, "racer", max_batch=2, check=False)):
+        engine.calibrate(announce=None)
+        saved = json.loads(open(engine.cost.path, encoding="utf-8").read())
+        engine.generate_all([prompt, prompt[:6]][: engine.max_batch], max_new_tokens=12)
+        assert json.loads(open(engine.cost.path, encoding="utf-8").read()) != saved  # refreshed, saved
+        assert json.loads(open(engine.cost.path, encoding="utf-8").read()) == engine.cost.to_json()
+    given = CostModel([1, 2, 4, 8], [1e-3, 1.1e-3, 1.2e-3, 2e-3], length=8, path=str(tmp_path / "mine.json"))
+    decoder = Decoder(model, None, "racer", cost=given, check=False)
+    decoder.generate(prompt, max_new_tokens=12)
+    assert given.seconds == [1e-3, 1.1e-3, 1.2e-3, 2e-3] and not (tmp_path / "mine.json").exists()
+    assert decoder.cost is not given and decoder.cost.seconds != given.seconds  # the engine's own copy learnt
+    batch = BatchDecoder(model, None, "racer", max_batch=2, cost=given, check=False)
+    batch.generate_all([prompt], max_new_tokens=6)
+    assert given.seconds == [1e-3, 1.1e-3, 1.2e-3, 2e-3] and not isinstance(batch.cost, BatchCostModel)

@@ -218,21 +218,21 @@ def test_a_step_reads_the_device_once(tiny, method, sampling, monkeypatch):
     that needs one row's top-k gets every row's in the same read)."""
     import functools
 
-    import racer.engine.decoder as decoding
+    import racer.engine.loop as looping
     import racer.engine.sampling as choosing
     from racer import Decoder
 
     sampling = dict(sampling)
     batched = sampling.pop("batched", None)
-    monkeypatch.setattr(decoding, "TokenChooser", functools.partial(decoding.TokenChooser, batched=batched))
+    monkeypatch.setattr(looping, "TokenChooser", functools.partial(looping.TokenChooser, batched=batched))
     reads = []
-    for module in (decoding, choosing):
+    for module in (looping, choosing):
         real_read = module.to_host
         monkeypatch.setattr(module, "to_host", lambda tensor, real_read=real_read: reads.append(1) or real_read(tensor))
     decoder = Decoder(tiny, None, method)
     decoder.calibrate()
     counted = []
-    step = decoder._step
+    step = decoder.engine._verify
 
     def counting_step(*args):
         before = len(reads)
@@ -240,7 +240,7 @@ def test_a_step_reads_the_device_once(tiny, method, sampling, monkeypatch):
         counted.append(len(reads) - before)
         return out
 
-    decoder._step = counting_step
+    decoder.engine._verify = counting_step
     decoder.generate([5, 17, 42, 8, 5, 17, 42, 8], max_new_tokens=24, seed=0, **sampling)
     assert counted and set(counted) == {1}, counted
 
@@ -251,3 +251,25 @@ def test_cpu_only_fast_paths_are_off_on_other_devices():
     assert FastPaths().on("cpu") == FastPaths()
     assert FastPaths().on("cuda") == FastPaths(kernels=False, tree_attention=False, growing_cache=True)
     assert FastPaths(growing_cache=False).on("cuda").growing_cache is False
+
+
+def test_the_decoder_runs_the_batch_engine_with_one_row(tiny, monkeypatch):
+    # One request is a batch of one: ``Decoder`` steps ``BatchDecoder``, on the row store
+    # that keeps one request's own growing cache, and decodes what a batch decodes.
+    from racer import BatchDecoder
+    from racer.engine.rows import OneRow, SlotRows
+
+    steps = []
+    real_step = BatchDecoder.step
+    monkeypatch.setattr(BatchDecoder, "step", lambda self: steps.append(self.max_batch) or real_step(self))
+    prompt = [5, 17, 42, 8, 5, 17, 42, 8]
+    decoder = Decoder(tiny, None, "racer:capacity=8")
+    alone = decoder.generate(prompt, max_new_tokens=16)
+    assert isinstance(decoder.engine, BatchDecoder) and isinstance(decoder.engine.rows, OneRow)
+    assert steps and set(steps) == {1} and len(steps) >= len(alone.steps)
+    batch = BatchDecoder(tiny, None, "racer:capacity=8", max_batch=2, check=False)
+    assert isinstance(batch.rows, SlotRows)
+    assert batch.generate_all([prompt, prompt[:5]], max_new_tokens=16)[0].tokens == alone.tokens
+    # The decoder's drafter and acceptance model serve its next request too.
+    pool = decoder.engine.memory.pool
+    assert decoder.engine.idle_drafters == 1 and decoder.drafter is pool.peek(next(iter(pool.scopes())))[0]

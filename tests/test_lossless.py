@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LOSSLESS_NEW_TOKENS, TEST_DEVICE, hf_greedy, lossless_questions
-from racer.budget.calibration import load_or_measure
+from racer.engine.calibration import load_or_measure
 from racer.engine import Decoder, encode_prompt
 from racer.fastpaths.kernels import packed_weights
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import make_tiny_llama
 from racer import Decoder
-from racer.engine.batch import BatchDecoder
+from racer.engine.loop import BatchDecoder
 from racer.engine.memory import DrafterPool
 from test_batch import tiny_prompts
 
@@ -21,6 +21,7 @@ def test_a_scope_takes_back_what_it_gave_last_and_nothing_of_another_scope():
     pool.give_back("a", first)
     pool.give_back("a", second)
     assert pool.take("b", make) == 2  # another scope never sees a's
+    assert pool.peek("a") == second and pool.peek("b") is None and len(pool) == 2  # a look takes nothing
     assert pool.take("a", make) == second  # the freshest memory first
     assert pool.take("a", make) == first
     assert pool.take("a", make) == 3
@@ -47,29 +48,58 @@ def test_requests_of_one_scope_draft_with_one_memory_and_decode_as_alone(tiny_mo
     alone = [Decoder(tiny_model, None, "racer:capacity=16").generate(p, max_new_tokens=24).tokens for p in prompts]
     batch = BatchDecoder(tiny_model, None, "racer:capacity=16", max_batch=2, check=False)
     first = batch.submit(prompts[0], max_new_tokens=24, scope="s")
-    drafter = batch._waiting[0].drafter
+    batch.step()  # prefilled: the request's drafting session begins
+    drafter = batch._active[0].session.drafter
     while batch.busy:
         batch.step()
-    assert batch.result(first).tokens == alone[0] and len(batch.pool) == 1
+    assert batch.result(first).tokens == alone[0] and batch.idle_drafters == 1
     # The next request of the scope drafts with the same drafter, whose automaton holds
     # what the first request saw; the output is what decoding it alone gives.
     second = batch.submit(prompts[1], max_new_tokens=24, scope="s")
-    assert batch._waiting[0].drafter is drafter and len(batch.pool) == 0
     other = batch.submit(prompts[2], max_new_tokens=24, scope="t")
-    assert batch._waiting[1].drafter is not drafter
+    batch.step()
+    batch.step()
+    assert batch._active[0].session.drafter is drafter and batch.idle_drafters == 0
+    assert batch._active[1].session.drafter is not drafter
     unscoped = batch.submit(prompts[3], max_new_tokens=24)
     while batch.busy:
         batch.step()
     assert [batch.result(i).tokens for i in (second, other, unscoped)] == [alone[1], alone[2], alone[3]]
-    assert len(batch.pool) == 2 and batch.pool.scopes() == {"s", "t"}
+    assert batch.idle_drafters == 2 and batch.memory.pool.scopes() == {"s", "t"}
 
 
 def test_a_fresh_decoder_keeps_the_idle_drafters(tiny_model):
     batch = BatchDecoder(tiny_model, None, "pld", max_batch=2, check=False)
     batch.generate_all(tiny_prompts()[:1], max_new_tokens=4)  # no scope: nothing kept
-    assert len(batch.pool) == 0
+    assert batch.idle_drafters == 0
     done = batch.submit(tiny_prompts()[1], max_new_tokens=4, scope="server")
     while batch.busy:
         batch.step()
     batch.result(done)
-    assert batch.fresh().pool is batch.pool and len(batch.pool) == 1
+    assert batch.fresh().memory is batch.memory and batch.idle_drafters == 1
+
+
+def test_a_session_runs_begin_draft_observe_end_once():
+    from racer.drafting import parse_method
+    from racer.drafting.tree import DraftTree
+    from racer.engine.memory import DrafterMemory
+
+    built = []
+
+    def build():
+        built.append(parse_method("pld").drafter)
+        return built[-1]
+
+    memory = DrafterMemory(build, rated=True, limit=2)
+    session = memory.begin("s", [1, 2, 3, 1, 2], None)
+    tree = session.draft(3, 4)
+    assert list(tree.tokens[:2]) == [3, 1]  # prompt lookup saw the prompt at begin
+    session.observe(tree, None, [0, 1])
+    assert session.acceptance.counts  # the acceptance model learnt from the step
+    paused = memory.begin("t", [7, 8], None)
+    paused.observe(DraftTree.single(8), None, [0], rated=False)
+    assert not paused.acceptance.counts  # a bare root verified while drafting paused teaches nothing
+    assert memory.end(session) == {} and len(memory) == 1
+    with pytest.raises(RuntimeError, match="ended twice"):
+        memory.end(session)
+    assert memory.begin("s", [4], None).drafter is built[0] and len(built) == 2

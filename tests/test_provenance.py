@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from racer import BatchDecoder, Decoder, TokenSpans
+from racer import BatchDecoder, Decoder, Method, TokenSpans, parse_method
 from racer.drafting.logitspec import LogitSpecDrafter
 from racer.drafting.racer import RacerDrafter
 from racer.drafting.tree import LOGITS, RETRIEVAL, TreeBuilder, source_name
@@ -50,8 +50,9 @@ def check(result, steps) -> None:
 @pytest.mark.parametrize("method", ["racer", "pld", "none"])
 def test_every_token_is_tagged_with_the_source_of_its_accepted_node(real, method):
     model, tokenizer = real
-    decoder = Decoder(model, tokenizer, method)
-    recording = decoder.drafter = Recording(decoder.drafter)
+    spec = parse_method(method)
+    recording = Recording(spec.drafter)
+    decoder = Decoder(model, tokenizer, Method(recording, spec.capacity))
     plain = Decoder(model, tokenizer, "none").generate(CODE, max_new_tokens=96)
     result = decoder.generate(CODE, max_new_tokens=96)
     assert result.tokens == plain.tokens

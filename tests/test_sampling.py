@@ -190,9 +190,9 @@ def test_first_three_tokens_follow_plain_sampling(tiny_exact, method, batched, m
     """``batched``: every node draws at once, as on an accelerator (one host read a step)."""
     import functools
 
-    import racer.engine.decoder as decoding
+    import racer.engine.loop as looping
 
-    monkeypatch.setattr(decoding, "TokenChooser", functools.partial(TokenChooser, batched=batched))
+    monkeypatch.setattr(looping, "TokenChooser", functools.partial(TokenChooser, batched=batched))
     model, probs, nexts = tiny_exact
     drafter = OracleDrafter(nexts, depth=2) if method == "oracle" else method
     decoder = Decoder(model, None, drafter, check=False)
@@ -325,7 +325,7 @@ def test_repetition_penalty_greedy_matches_hf_generate(real):
 
 def test_first_three_tokens_follow_plain_sampling_in_a_batch(tiny_exact):
     """Sampled beside another request in the other row, joining and leaving together."""
-    from racer.engine.batch import BatchDecoder
+    from racer.engine.loop import BatchDecoder
 
     model, probs, nexts = tiny_exact
     batch = BatchDecoder(model, None, "racer:capacity=16", max_batch=2, check=False)

@@ -70,7 +70,7 @@ def test_wrong_mask_is_detected(tiny):
     mask = torch.zeros((1, 1, len(tree), verifier.cached + len(tree)))
     ids = torch.tensor([tree.tokens])
     pos = (torch.tensor(tree.depths) + verifier.cached).unsqueeze(0)
-    wrong = verifier._forward(ids, pos, mask, len(tree))
+    wrong = verifier.forward(ids, pos, mask, len(tree))
     want = sequential_logits(tiny, context, tree)
     assert (wrong - want).abs().max().item() > 1e-2
 

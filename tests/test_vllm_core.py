@@ -147,13 +147,13 @@ def test_rows_follow_their_requests_through_reordering_preemption_and_finishing(
     # with the batch shrinking to one row.
     chains = drafts.propose([[], a.step(chains[1])], [b.context, a.context])
     assert chains[0] == [] and 0 not in drafts.rows
-    a_drafter = drafts.rows[1].drafter
+    a_drafter = drafts.rows[1].session.drafter
     chains = drafts.propose([a.step(chains[1])], [a.context])
     # Row 1 left (the batch shrank) and a now sits in the free row 0: fresh state there,
     # with the drafter freed last (a's own), so its memory carries on.
-    assert set(drafts.rows) == {0} and drafts.rows[0].drafter is a_drafter and drafts.rebuilt == 2
+    assert set(drafts.rows) == {0} and drafts.rows[0].session.drafter is a_drafter and drafts.rebuilt == 2
     assert all(t in TEXT for t in chains[0])
-    assert len(drafts.idle) <= 2  # the idle memory kept is bounded
+    assert len(drafts.memory) <= 2  # the idle memory kept is bounded
 
 
 def test_a_drafted_chain_that_the_row_did_not_accept_as_proposed_rebuilds_the_row():

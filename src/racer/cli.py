@@ -411,7 +411,7 @@ def _cmd_datastore(args: argparse.Namespace) -> int:
 def _cmd_cost(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
-    from racer.budget.calibration import cost_file, disk_cache_enabled, load_or_measure
+    from racer.engine.calibration import cost_file, disk_cache_enabled, load_or_measure
     from racer.fastpaths import KERNEL_LABELS
     from racer.loading import load_model
 

@@ -194,9 +194,9 @@ def evidence(dataset: str, limit: int, tokens: int, threads: int, method: str = 
     steps: list[tuple[DraftTree, DraftTree]] = []
     select = decoder.budget.select
 
-    def recording(tree: DraftTree, cached: int) -> DraftTree:
-        chosen = select(tree, cached)
-        steps.append((tree, chosen))
+    def recording(trees: list[DraftTree], acceptances: list, lengths: list[int]) -> list[DraftTree]:
+        chosen = select(trees, acceptances, lengths)
+        steps.append((trees[0], chosen[0]))
         return chosen
 
     decoder.budget.select = recording

@@ -21,7 +21,7 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    from racer.budget.calibration import cpu_info
+    from racer.engine.calibration import cpu_info
 
     return {**cpu_info(), "cores": os.cpu_count(), "threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}

@@ -18,19 +18,14 @@ from typing import Sequence
 
 from racer.budget.acceptance import AcceptanceModel
 from racer.budget.batch_cost import as_batch_cost
-from racer.budget.selection import path_probabilities
+from racer.budget.selection import StepTiming, WholeTree, ranked
 from racer.drafting.tree import DraftTree
 
 
 def expected_by_size(tree: DraftTree, probs: Sequence[float]) -> tuple[list[int], list[float]]:
-    """The tree's candidates, most probable first (parents before children on ties), and
-    the expected emitted tokens of its best subtree of each size 1..len(tree)."""
-    path = path_probabilities(tree.parents, probs)
-    order = sorted(range(1, len(tree)), key=lambda i: (-path[i], tree.depths[i], i))
-    expected = [1.0]
-    for node in order:
-        expected.append(expected[-1] + path[node])
-    return order, expected
+    """The tree's candidates, most probable first, and the expected emitted tokens of its
+    best subtree of each size 1..len(tree) (``racer.budget.selection.ranked``)."""
+    return ranked(tree.parents, probs)
 
 
 def best_cap(expected: Sequence[Sequence[float]], cost: "callable", largest: int) -> tuple[int, float]:
@@ -49,7 +44,7 @@ def best_cap(expected: Sequence[Sequence[float]], cost: "callable", largest: int
     return best, best_rate
 
 
-class BatchBudget:
+class BatchBudget(WholeTree):
     """Per step, the node cap and each request's kept subtree, from the batch's
     step-cost curve (``predict(rows, nodes, cached, drafting)``; a single-request curve
     is read per node, ``batch_cost.PerNodeCurve``) and each request's own acceptance
@@ -63,20 +58,19 @@ class BatchBudget:
     while that mean is positive every step drafts, so a request whose drafts pay in
     bursts (a retrieval match now and then) gets each burst. When the mean falls to 0
     or below, drafting has cost more than it gave lately: the budget stops drafting
-    for a while (``step_drafts()`` is False: the decoder verifies bare roots and calls
+    for a while (``drafts()`` is False: the decoder verifies bare roots and calls
     no drafter), then drafts one step again to see whether drafts pay now, waiting
     twice as long after each miss, up to ``longest_pause`` steps. With one request a
     drafting step costs little beside its pass, so it seldom pauses; with many, a cap
     of 1 wastes every row's drafting, and the mean turns negative within a few steps.
 
     The cap is chosen on each acceptance model's mean rates (``explore`` draws them
-    from their posteriors instead, as the single-request budget does): the best of
+    from their posteriors instead, as the one-row budget does): the best of
     many caps on a sum of B noisy draws is the one whose draws came out high, so a
     batch would verify more than pays on average. The cost curve is still drawn, and
     the probes after a pause keep every request's evidence coming. The margin is there
     for the same reason: the steps chosen for drafting are those whose estimates came
-    out high, so they promise more than they give (at 8 requests on this CPU, drafting
-    whenever it promised anything at all ran below not drafting)."""
+    out high, so they promise more than they give (docs/serving.md has the figures)."""
 
     def __init__(self, cost: object, seed: int = 0, longest_pause: int = 32, explore: bool = False,
                  margin: float = 0.1, weight: float = 0.1) -> None:
@@ -91,7 +85,7 @@ class BatchBudget:
         self._pause = 0  # steps left without drafts
         self._misses = 0  # probes in a row that found drafts not paying
 
-    def step_drafts(self) -> bool:
+    def drafts(self) -> bool:
         """Whether the step about to run drafts; a step that does not counts off the pause."""
         if self._pause > 0:
             self._pause -= 1
@@ -128,8 +122,8 @@ class BatchBudget:
         self.last_cap = cap
         return [tree.subtree(sorted([0] + order[: cap - 1])) for tree, (order, _) in zip(trees, ranked)]
 
-    def observe(self, rows: int, nodes: int, cached: int, pass_seconds: float, step_seconds: float,
-                drafting_seconds: float | None = None) -> None:
-        """A step of ``rows`` trees padded to ``nodes`` nodes took ``step_seconds``, its
-        pass ``pass_seconds`` of them, drafting ``drafting_seconds`` (None: no drafts)."""
-        self.cost.refresh(rows, nodes, cached, pass_seconds, step_seconds, drafting_seconds)
+    def observe(self, step: StepTiming) -> None:
+        """Refresh the batch's cost curve with the step: ``rows`` trees padded to the
+        largest, on the longest row's cache."""
+        self.cost.refresh(len(step.trees), max(len(tree) for tree in step.trees), max(step.lengths), step.pass_s,
+                          step.step_s, step.drafting_s)

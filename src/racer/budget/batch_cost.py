@@ -2,7 +2,7 @@
 each, on caches whose longest row holds ``cached`` tokens, plus the per-request work
 around the pass (drafting, choosing, accepting). Pure Python (no torch).
 
-Measured on batched passes (``racer.budget.calibration.measure_batch``), not derived
+Measured on batched passes (``racer.engine.calibration.measure_batch``), not derived
 from single-request passes: a batched pass attends every row to its own cache and pays
 for the longest, builds a mask per row, and its matmul of ``rows x nodes`` rows need
 not cost what a single tree of as many nodes does. One ``CostModel`` per measured row

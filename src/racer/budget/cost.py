@@ -1,11 +1,11 @@
 """What a decoding step costs on this hardware, as a function of the verified tree's
 size and the cache length: a table measured once per model/device/dtype/threads
-(``racer.budget.calibration``) and refreshed from the step timings of real decoding.
+(``racer.engine.calibration``) and refreshed from the step timings of real decoding.
 Pure Python (no torch).
 
 Model: ``seconds(n, L) = base(n) + (L - L0) * (per_position + per_position_node * n)``,
 ``base`` piecewise linear over measured sizes at cache length ``L0``. A CPU's curve is
-far from smooth (here a 2- or 3-row matmul costs more than a 4-row one), which is why
+far from smooth (a 2- or 3-row matmul can cost more than a 4-row one), which is why
 it is a table and not a fitted formula.
 
 Each size keeps the linear kernel that verified it fastest (``racer.fastpaths.KERNELS``),
@@ -26,11 +26,8 @@ from typing import Callable, Sequence
 from racer.fastpaths import KERNELS
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# 4: timed with tree attention; 5: timed in shuffled rounds with the growth terms
-# interleaved, refreshed with a whole-curve scale (tables refreshed size by size only
-# can hold stale sizes); 6: kernels installed per layer, no longer through a
-# TorchFunctionMode that made every kernel but the model's own dearer. Older tables
-# are re-measured.
+# Raised whenever what a table's numbers mean changes (how it is timed or refreshed);
+# tables of another format are measured again.
 FORMAT = 6
 
 

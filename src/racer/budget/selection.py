@@ -13,7 +13,8 @@ best subtree overall is the best of those prefixes.
 from __future__ import annotations
 
 import random
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
 
 from racer.budget.acceptance import AcceptanceModel
 from racer.drafting.tree import DraftTree
@@ -37,6 +38,22 @@ def path_probabilities(parents: Sequence[int], accept: Sequence[float]) -> list[
     return out
 
 
+def ranked(parents: Sequence[int], accept: Sequence[float]) -> tuple[list[int], list[float]]:
+    """The draft nodes most probable first (on ties shallower, then earlier, so a parent
+    always precedes its child), and the expected emitted tokens of the best subtree of
+    each size 1..len(parents): the root plus the first n - 1 of them. The one ranking
+    every budget uses."""
+    probs = path_probabilities(parents, accept)
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    order = sorted(range(1, len(parents)), key=lambda i: (-probs[i], depth[i], i))
+    expected = [1.0]
+    for node in order:
+        expected.append(expected[-1] + probs[node])
+    return order, expected
+
+
 def best_subtree(parents: Sequence[int], accept: Sequence[float],
                  cost: Callable[[int], float]) -> tuple[list[int], float]:
     """The node indices (ascending, root first) of the subtree that maximises expected
@@ -44,18 +61,12 @@ def best_subtree(parents: Sequence[int], accept: Sequence[float],
     where the larger one costs the same: a node that costs nothing is kept, so a flat
     (GPU-like) curve verifies the whole candidate tree, even nodes whose path
     probability is too small to change the sum in floating point."""
-    probs = path_probabilities(parents, accept)
-    depth = [0] * len(parents)
-    for i in range(1, len(parents)):
-        depth[i] = depth[parents[i]] + 1
-    # Most probable first; on ties shallower, then earlier: a parent always precedes its child.
-    order = sorted(range(1, len(parents)), key=lambda i: (-probs[i], depth[i], i))
+    order, expected = ranked(parents, accept)
     best_cost = _checked(cost, 1)
-    best_size, best_rate, expected = 1, 1.0 / best_cost, 1.0
-    for size, node in enumerate(order, start=2):
-        expected += probs[node]
+    best_size, best_rate = 1, 1.0 / best_cost
+    for size in range(2, len(expected) + 1):
         seconds = _checked(cost, size)
-        rate = expected / seconds
+        rate = expected[size - 1] / seconds
         if rate > best_rate or (rate == best_rate and seconds == best_cost):
             best_size, best_rate, best_cost = size, rate, seconds
     return sorted([0] + order[: best_size - 1]), best_rate
@@ -79,45 +90,78 @@ class CostCurve(Protocol):
     def refresh(self, nodes: int, cached: int, seconds: float) -> None: ...
 
 
-class DraftBudget:
-    """Per step: keep the part of a drafter's candidate tree that maximises expected
-    emitted tokens per second, from a cost curve and the acceptance model."""
+@dataclass
+class StepTiming:
+    """What one step of the engine verified and how long it took: the trees (one per
+    row), the cache lengths they were verified on, the pass's seconds, the whole step's
+    (drafting, the pass, acceptance, the drafters' updates), and drafting's share
+    (None: the step drafted nothing)."""
 
-    def __init__(self, cost: CostCurve, acceptance: AcceptanceModel | None = None, seed: int = 0) -> None:
-        self.cost = cost
-        self.acceptance = acceptance or AcceptanceModel()
-        self.rng = random.Random(seed)
+    trees: Sequence[DraftTree]
+    lengths: Sequence[int]
+    pass_s: float
+    step_s: float
+    drafting_s: float | None
 
-    def select(self, tree: DraftTree, cached: int) -> DraftTree:
-        if len(tree) == 1:
-            return tree
-        probs = self.acceptance.probabilities(tree, explore=True)
-        draw = getattr(self.cost, "draw", None)
-        predict = draw(self.rng) if draw is not None else self.cost.predict
-        nodes, _ = best_subtree(tree.parents, probs, lambda n: predict(n, cached))
-        return tree.subtree(nodes)
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int], cached: int, seconds: float) -> None:
-        """What the step that verified ``tree`` at cache length ``cached`` revealed:
-        the accepted path and how long the whole step took."""
-        self.acceptance.observe(tree, accepted)
-        self.cost.refresh(len(tree), cached, seconds)
+class Budget(Protocol):
+    """How much of each row's candidate tree a step verifies; the engine asks it once
+    per step, in this order."""
 
-    def finish(self) -> None:
-        """A request ended: keep the refreshed cost curve, where it can be kept."""
-        save = getattr(self.cost, "save", None)
-        if save is not None:
-            save()
+    def drafts(self) -> bool:
+        """Whether the step about to run drafts at all (False: bare roots)."""
+
+    def ask(self, size: int) -> int:
+        """How many candidate nodes to ask each drafter for, at most ``size``."""
+
+    def select(self, trees: Sequence[DraftTree], acceptances: Sequence[Any],
+               lengths: Sequence[int]) -> list[DraftTree]:
+        """The part of each row's candidate tree to verify (``acceptances``: each row's
+        acceptance model, None where the method has a fixed capacity)."""
+
+    def observe(self, step: StepTiming) -> None:
+        """What the step cost."""
 
 
 class WholeTree:
     """The budget of a fixed capacity: every drafted node is verified."""
 
-    def select(self, tree: DraftTree, cached: int) -> DraftTree:
-        return tree
+    def drafts(self) -> bool:
+        return True
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int], cached: int, seconds: float) -> None:
+    def ask(self, size: int) -> int:
+        return size
+
+    def select(self, trees: Sequence[DraftTree], acceptances: Sequence[Any],
+               lengths: Sequence[int]) -> list[DraftTree]:
+        return list(trees)
+
+    def observe(self, step: StepTiming) -> None:
         pass
 
-    def finish(self) -> None:
-        pass
+
+class DraftBudget(WholeTree):
+    """The budget of one row, per node: keep the part of the drafter's candidate tree
+    that maximises expected emitted tokens per second, from a cost curve read per tree
+    size and the row's acceptance model (each key's rate drawn from its posterior: a
+    lone request explores, see ``AcceptanceModel.probabilities``)."""
+
+    def __init__(self, cost: CostCurve, seed: int = 0) -> None:
+        self.cost = cost
+        self.rng = random.Random(seed)
+
+    def select(self, trees: Sequence[DraftTree], acceptances: Sequence[AcceptanceModel],
+               lengths: Sequence[int]) -> list[DraftTree]:
+        if len(trees) != 1:
+            raise ValueError(f"DraftBudget: chooses for one row, got {len(trees)}")
+        tree, cached = trees[0], lengths[0]
+        if len(tree) == 1:
+            return [tree]
+        probs = acceptances[0].probabilities(tree, explore=True)
+        draw = getattr(self.cost, "draw", None)
+        predict = draw(self.rng) if draw is not None else self.cost.predict
+        nodes, _ = best_subtree(tree.parents, probs, lambda n: predict(n, cached))
+        return [tree.subtree(nodes)]
+
+    def observe(self, step: StepTiming) -> None:
+        self.cost.refresh(len(step.trees[0]), step.lengths[0], step.step_s)

@@ -1,7 +1,7 @@
-"""The decoding loop, with torch: it knows the draft tree and the drafter interface, no method."""
+"""The decoding engine, with torch: it knows the draft tree and the drafter interface, no method."""
 
-from racer.engine.batch import BatchDecoder, Update
-from racer.engine.decoder import Decoder, generate, top_ids
+from racer.engine.decoder import Decoder, generate
+from racer.engine.loop import BatchDecoder, Update, top_ids
 from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions, chat_template_takes, encode_prompt
 from racer.engine.provenance import TokenSpans

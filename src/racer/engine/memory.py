@@ -1,8 +1,11 @@
-"""What a batch keeps of its drafters between requests: a bounded pool of idle
-drafters (each with its acceptance model), keyed by memory scope. Pure Python.
+"""Who drafts for a request, and what it remembers: the drafter lifecycle that the
+engine and the vLLM proposer share. Pure Python.
 
-A drafter's memory is its own state (RACER's n-gram automaton and copy-logit table,
-Token Recycling's adjacency table, ...), which its ``begin`` keeps or clears as its
+A request's drafting is a ``DraftSession``: ``DrafterMemory.begin`` gives it a drafter
+(with its acceptance model) and tells the drafter the prompt; the session drafts and
+observes step by step; ``DrafterMemory.end`` hands the drafter back. A drafter's
+memory is its own state (RACER's n-gram automaton and copy-logit table, Token
+Recycling's adjacency table, ...), which its ``begin`` keeps or clears as its
 ``memory`` option says. One drafter serves one request at a time, so memory travels
 with drafters: a request that ends hands its drafter back to its scope, and the next
 request of that scope takes the drafter handed back last (the freshest memory). With
@@ -17,12 +20,20 @@ returned dropped first; each drafter bounds its own memory (``nodes``, ``k``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Generic, TypeVar
+from typing import Any, Callable, Generic, Hashable, Sequence, TypeVar
+
+import numpy as np
+
+from racer.budget.acceptance import AcceptanceModel
+from racer.drafting.base import Drafter
+from racer.drafting.tree import DraftTree
 
 Item = TypeVar("Item")
 
 
 class DrafterPool(Generic[Item]):
+    """Idle items (drafters with their acceptance models) by scope, bounded."""
+
     def __init__(self, limit: int) -> None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
             raise ValueError(f"limit: expected a non-negative integer, got {limit!r}")
@@ -32,13 +43,22 @@ class DrafterPool(Generic[Item]):
 
     def take(self, scope: Hashable | None, build: Callable[[], Item]) -> Item:
         """The idle item of ``scope`` returned last, or a new one from ``build``."""
+        serial = self._last(scope)
+        if serial is None:
+            return build()
+        return self._idle.pop(serial)[1]
+
+    def peek(self, scope: Hashable | None) -> Item | None:
+        """The idle item ``take`` would give ``scope``, left where it is (None: none)."""
+        serial = self._last(scope)
+        return None if serial is None else self._idle[serial][1]
+
+    def _last(self, scope: Hashable | None) -> int | None:
         if scope is not None:
             for serial in reversed(self._idle):
-                key, item = self._idle[serial]
-                if key == scope:
-                    del self._idle[serial]
-                    return item
-        return build()
+                if self._idle[serial][0] == scope:
+                    return serial
+        return None
 
     def give_back(self, scope: Hashable | None, item: Item) -> None:
         if scope is None or self.limit == 0:
@@ -53,3 +73,61 @@ class DrafterPool(Generic[Item]):
 
     def scopes(self) -> set[Any]:
         return {key for key, _ in self._idle.values()}
+
+
+class DraftSession:
+    """One request's drafting, from ``DrafterMemory.begin`` to ``end``: its drafter and
+    the acceptance model that rates the drafter's nodes (None where nothing rates them:
+    a fixed capacity)."""
+
+    def __init__(self, drafter: Drafter, acceptance: AcceptanceModel | None, scope: Hashable | None) -> None:
+        self.drafter, self.acceptance, self.scope = drafter, acceptance, scope
+        self.ended = False
+
+    def draft(self, root: int, size: int) -> DraftTree:
+        """A candidate tree of at most ``size`` nodes under ``root``."""
+        return self.drafter.draft(root, size)
+
+    def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int],
+                rated: bool = True) -> None:
+        """What verifying ``tree`` revealed (``Drafter.observe``); the acceptance model
+        learns from it too where ``rated`` (a tree the budget chose from the drafter's
+        rates, not a bare root verified while drafting paused)."""
+        self.drafter.observe(tree, tree_topk, accepted)
+        if self.acceptance is not None and rated:
+            self.acceptance.observe(tree, accepted)
+
+
+class DrafterMemory:
+    """Drafters for requests, kept between requests by memory scope (``DrafterPool``).
+
+    ``build``: a new drafter, attached to its model (``Drafter.attach``); ``rated``:
+    whether each drafter keeps an acceptance model; ``limit``: idle drafters kept."""
+
+    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int) -> None:
+        self.build, self.rated = build, rated
+        self.pool: DrafterPool[tuple[Drafter, AcceptanceModel | None]] = DrafterPool(limit)
+
+    def _new(self) -> tuple[Drafter, AcceptanceModel | None]:
+        return self.build(), AcceptanceModel() if self.rated else None
+
+    def begin(self, scope: Hashable | None, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> DraftSession:
+        """A request starts: the drafter its scope handed back last (or a new one)
+        learns its prompt (``Drafter.begin``)."""
+        drafter, acceptance = self.pool.take(scope, self._new)
+        drafter.begin(prompt, prompt_topk)
+        return DraftSession(drafter, acceptance, scope)
+
+    def end(self, session: DraftSession) -> dict:
+        """The request ended: its drafter's counts for it (``Drafter.request_stats``);
+        the drafter goes back to its scope."""
+        if session.ended:
+            raise RuntimeError("draft session: ended twice")
+        session.ended = True
+        stats = session.drafter.request_stats()
+        self.pool.give_back(session.scope, (session.drafter, session.acceptance))
+        return stats
+
+    def __len__(self) -> int:
+        """Idle drafters kept."""
+        return len(self.pool)

@@ -1,7 +1,9 @@
 """What the engine needs to know of a loaded model, worked out in one place: where its
 weights live and in which dtype, how many positions it takes, its vocabulary (through
-the text config, so that multimodal configs work), and the keywords its ``forward``
-takes for the KV cache and for logits of the last positions only."""
+the text config, so that multimodal configs work), the end-of-sequence ids its configs
+name, and the keywords its ``forward`` takes for the KV cache and for logits of the
+last positions only. The engine works them out once and hands them to every verifier
+it makes, with its support check's attention layout (``racer.engine.support``)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class ModelFacts:
     vocab_size: int
     cache_keyword: str  # "cache" (transformers 5) or "past_key_values" (4.x)
     logits_keyword: str | None  # "logits_to_keep", "num_logits_to_keep", or None where forward takes neither
+    end_ids: frozenset[int] = frozenset()  # eos ids of the generation config and the config
 
     @staticmethod
     def of(model: Any) -> "ModelFacts":
@@ -41,6 +44,11 @@ class ModelFacts:
         positions = getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
         params = inspect.signature(model.forward).parameters
         keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        ends: set[int] = set()
+        for source in (getattr(model, "generation_config", None), config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ends.update([eos] if isinstance(eos, int) else eos)
         return ModelFacts(weight.device, weight.dtype, int(positions or UNBOUNDED),
                           int(getattr(text, "vocab_size", None) or config.vocab_size),
-                          "cache" if "cache" in params else "past_key_values", keep)
+                          "cache" if "cache" in params else "past_key_values", keep, frozenset(ends))

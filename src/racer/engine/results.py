@@ -11,12 +11,13 @@ from racer.drafting.tree import SOURCE_NAMES
 
 @dataclass
 class StepStats:
-    """One verification step."""
+    """One verification step of a request. The times are the whole step's, which every
+    request verified in it shares: with one request, its own."""
 
     tree_size: int  # nodes verified, root included
     accepted: int  # draft tokens accepted beyond the root (the "a" of 1 + a)
-    draft_s: float  # drafting, subtree selection and the drafter's update
-    verify_s: float  # the tree pass, acceptance and KV compaction
+    draft_s: float  # drafting, subtree selection, and the drafters' and acceptance models' updates
+    verify_s: float  # the pass, reading it, acceptance and keeping the accepted KV
     candidates: int = 0  # nodes the drafter proposed before the draft budget chose
 
 

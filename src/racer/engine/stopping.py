@@ -5,31 +5,28 @@ written."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 
 @dataclass
-class Chunk:
+class Emitted:
     """Tokens emitted by one pass and whether generation ends with them."""
 
     tokens: list[int]
     done: bool
 
 
-def end_token_ids(model: Any, tokenizer: Any) -> set[int]:
-    """Every end-of-sequence id the model's configs and the tokenizer name."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            ids.update([eos] if isinstance(eos, int) else eos)
+def end_token_ids(model_ends: Iterable[int], tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id: the model's configs' (``ModelFacts.end_ids``) and the
+    tokenizer's."""
+    ids = set(model_ends)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 
 
 class Stopper:
-    """Cuts a chunk of new tokens at the first end token, stop string or limit."""
+    """Cuts the tokens a pass emits at the first end token, stop string or limit."""
 
     def __init__(self, tokenizer: Any, end_ids: set[int], stop: Sequence[str], limit: int) -> None:
         self.tokenizer, self.end_ids, self.stop, self.limit = tokenizer, end_ids, list(stop), limit
@@ -37,22 +34,22 @@ class Stopper:
         self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
         self.reason = "length"
 
-    def cut(self, emitted: list[int], new: Sequence[int]) -> Chunk:
+    def cut(self, emitted: list[int], new: Sequence[int]) -> Emitted:
         out: list[int] = []
         for token in new:
             if len(emitted) + len(out) >= self.limit:
-                return Chunk(out, True)
+                return Emitted(out, True)
             out.append(int(token))
             if token in self.end_ids:
                 self.reason = "eos"
-                return Chunk(out, True)
+                return Emitted(out, True)
             if self.stop:
                 tail = (emitted + out)[-self.window :]
                 text = self.tokenizer.decode(tail)
                 if any(s in text for s in self.stop):
                     self.reason = "stop"
-                    return Chunk(out, True)
-        return Chunk(out, len(emitted) + len(out) >= self.limit)
+                    return Emitted(out, True)
+        return Emitted(out, len(emitted) + len(out) >= self.limit)
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

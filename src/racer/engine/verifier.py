@@ -77,11 +77,12 @@ class TreeVerifier:
         self.set_kernels(lambda n: kernel, [kernel])
 
     # -- forward passes -------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, keep: int,
-                 batched: bool = False) -> torch.Tensor:
-        """Logits of the last ``keep`` positions (all where 0): (keep, vocab), or
-        (rows, keep, vocab) when ``batched``."""
-        kwargs: dict[str, Any] = {self._cache_kw: self.cache, "use_cache": True,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: Any, keep: int, *, cache: Any = None,
+                batched: bool = False) -> torch.Tensor:
+        """One pass of the model on ``cache`` (default: this verifier's): logits of the
+        last ``keep`` positions (all where 0), (keep, vocab), or (rows, keep, vocab) when
+        ``batched``."""
+        kwargs: dict[str, Any] = {self._cache_kw: self.cache if cache is None else cache, "use_cache": True,
                                   "position_ids": positions, "attention_mask": mask}
         if self._keep_kw is not None and keep:
             kwargs[self._keep_kw] = keep
@@ -103,7 +104,7 @@ class TreeVerifier:
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
-        logits = self._forward(tensor, positions, None, 0 if all_logits else 1)
+        logits = self.forward(tensor, positions, None, 0 if all_logits else 1)
         self.cached = n
         return logits
 
@@ -134,7 +135,7 @@ class TreeVerifier:
         linear = self.kernels.using(self.kernel_of(n))
         attention = self.tree_attention if mask is not None and self.tree_attention is not None else nullcontext()
         with linear, attention, indexed_windows(self.layout, mask) as model_mask:
-            return self._forward(ids, positions, model_mask, n)
+            return self.forward(ids, positions, model_mask, n)
 
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Layers that hold no KV of their own (shared-KV or attention-free) have None.

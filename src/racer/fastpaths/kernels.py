@@ -5,7 +5,7 @@ On a CPU a tree pass is bound by reading the weights. How often a BLAS reads the
 depends on the number of rows: ``x @ W.T`` for a few rows can cost up to several
 one-row products, while ``W @ x.T`` and oneDNN's pre-packed weights can read the
 weights about once for several rows (``racer measure kernels`` times them). Which kernel is fastest for which tree size is measured per machine by the cost
-model (``racer.budget.calibration.measure``); this module only computes.
+model (``racer.engine.calibration.measure``); this module only computes.
 
 A kernel is installed for one pass by giving each plain ``nn.Linear`` module an
 instance ``forward`` and taking it away afterwards, rather than intercepting ``linear``

@@ -7,7 +7,8 @@ context and the tokens it just sampled: no request ids, no logits. So the core h
 ``ChainDrafts``, is plain Python over racer's drafters: it ties a drafter to each batch
 row by checking that the row still holds the context it drafted for (a request that
 moved, was preempted or finished no longer does, and its drafter goes back to a bounded
-pool of idle ones whose memory the next request inherits), learns what was accepted
+pool of idle ones whose memory the next request inherits: the drafter lifecycle of
+``racer.engine.memory``, as in ``racer serve``), learns what was accepted
 from what the row sampled, and turns racer's tree into the one chain its acceptance
 model rates best. ``RacerProposer`` is the thin shell vLLM builds; the model's top-k at
 every verified position (RACER's copy-logit table) comes from a wrapper around the
@@ -29,9 +30,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from racer import AcceptanceModel, DraftTree, parse_method
+from racer import DraftTree, parse_method
 from racer.budget.chain import ChainBudget
 from racer.budget.selection import path_probabilities
+from racer.engine.memory import DraftSession, DrafterMemory
 
 PREFIX = 32  # how many leading tokens identify a row's request
 
@@ -53,10 +55,12 @@ def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int, min_
     return tree.path_to(best)[1:] if best else []
 
 
+SCOPE = "server"  # every request of the engine shares the idle drafters, as racer serve's default
+
+
 @dataclass
 class _Row:
-    drafter: Any
-    acceptance: AcceptanceModel
+    session: DraftSession
     prefix: tuple[int, ...]  # the request's first tokens
     length: int  # context length when it last drafted, root included
     chain: DraftTree | None  # the chain it proposed then
@@ -74,22 +78,19 @@ class ChainDrafts:
         parsed = parse_method(method)  # a bad spec fails here, not at the first step
         self.size, self.needs = parsed.draft_size, parsed.drafter.needs
         self.rows: dict[int, _Row] = {}
-        self.idle: list[tuple[Any, AcceptanceModel]] = []  # most recently freed last
+        self.memory = DrafterMemory(self._new_drafter, rated=True, limit=idle)
         self.started = 0  # requests a row began drafting for
         self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
 
-    def _take(self) -> tuple[Any, AcceptanceModel]:
-        if self.idle:
-            return self.idle.pop()
+    def _new_drafter(self) -> Any:
         drafter = parse_method(self.method).drafter
         drafter.attach(self.tokenizer, self.end_ids)
-        return drafter, AcceptanceModel()
+        return drafter
 
     def _free(self, row: int) -> None:
         state = self.rows.pop(row, None)
         if state is not None:
-            self.idle.append((state.drafter, state.acceptance))
-            del self.idle[: max(0, len(self.idle) - self.idle_limit)]
+            self.memory.end(state.session)
 
     def propose(self, sampled: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]],
                 topk: Callable[[int], np.ndarray | None] = lambda row: None,
@@ -120,20 +121,18 @@ class ChainDrafts:
             state = None
         if state is None:
             self.started += 1
-            drafter, acceptance = self._take()
-            drafter.begin(context[:-1], None)
-            state = self.rows[row] = _Row(drafter, acceptance, tuple(context[:PREFIX]), len(context), None)
+            session = self.memory.begin(SCOPE, context[:-1], None)
+            state = self.rows[row] = _Row(session, tuple(context[:PREFIX]), len(context), None)
         elif state.chain is not None:
             accepted = len(new) - 1  # the row sampled its accepted drafts, then one token of its own
             path = list(range(accepted + 1))
             rows_topk = topk(row)
             if rows_topk is not None and len(rows_topk) != len(state.chain):
                 rows_topk = None
-            state.drafter.observe(state.chain, rows_topk, path)
-            state.acceptance.observe(state.chain, path)
+            state.session.observe(state.chain, rows_topk, path)
         state.length = len(context)
-        tree = state.drafter.draft(context[-1], self.size)
-        nodes = best_chain(tree, state.acceptance.probabilities(tree), self.tokens, floor)
+        tree = state.session.draft(context[-1], self.size)
+        nodes = best_chain(tree, state.session.acceptance.probabilities(tree), self.tokens, floor)
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
         return [tree.tokens[i] for i in nodes]

@@ -1,6 +1,6 @@
 """The HTTP side of ``racer serve``: OpenAI's routes on Starlette (through FastAPI),
 served by uvicorn. Handlers check a request (``racer.serve.protocol``), hand it to the
-decoding thread (``racer.serve.engine``) and answer from what comes back, whole or as
+decoding thread (``racer.serve.worker``) and answer from what comes back, whole or as
 server-sent events.
 """
 
@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from racer import GenerationOptions, TokenSpans, chat_template_takes, encode_prompt, visible_text
 from racer.serve import protocol
-from racer.serve.engine import Engine, QueueFull, asyncio_sink
+from racer.serve.worker import DecodingThread, QueueFull, asyncio_sink
 from racer.serve.metrics import Metrics
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -44,17 +44,17 @@ def route_label(path: str) -> str:
 
 
 class Served:
-    """What the routes need: the engine, the model's name and context, the tokenizer,
+    """What the routes need: the decoding thread, the model's name and context, the tokenizer,
     and whose requests share drafter memory (``memory_scope``: ``request`` none,
     ``server`` all, ``user`` those with the same ``user`` field; without one, none);
     ``method``: the draft method, as ``/health`` tells the chat page."""
 
-    def __init__(self, engine: Engine, name: str, tokenizer: Any, context: int, api_key: str | None,
+    def __init__(self, worker: DecodingThread, name: str, tokenizer: Any, context: int, api_key: str | None,
                  default_max_tokens: int, metrics: Metrics, memory_scope: str = "server", method: str = "",
                  max_body: int = MAX_BODY) -> None:
         if memory_scope not in MEMORY_SCOPES:
             raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
-        self.engine, self.name, self.tokenizer, self.context = engine, name, tokenizer, context
+        self.worker, self.name, self.tokenizer, self.context = worker, name, tokenizer, context
         self.api_key, self.default_max_tokens, self.metrics = api_key, default_max_tokens, metrics
         self.memory_scope = memory_scope
         self.method = method
@@ -134,7 +134,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.engine.held,
+        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.worker.held,
                 "api_key_required": bool(served.api_key)}
 
     @app.get("/")
@@ -234,7 +234,7 @@ async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
     request, ids, options = prepared.request, prepared.ids, prepared.options
     box, deliver = asyncio_sink(loop)
     try:
-        ticket = served.engine.submit(ids, options, deliver, served.scope(request))
+        ticket = served.worker.submit(ids, options, deliver, served.scope(request))
     except QueueFull as err:
         raise protocol.ApiError(429, f"the server is busy: {err}; retry shortly", code="rate_limit_exceeded",
                                 kind="rate_limit_error", headers={"Retry-After": "1"}) from err
@@ -248,7 +248,7 @@ async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
         await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not collecting.done():
-            served.engine.cancel(ticket)
+            served.worker.cancel(ticket)
             collecting.cancel()
         gone.cancel()
     if not collecting.done() or collecting.cancelled():
@@ -343,4 +343,4 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
         yield b"data: [DONE]\n\n"
     finally:
         if result is None:  # the client went away (or the request failed): free its row
-            served.engine.cancel(ticket)
+            served.worker.cancel(ticket)

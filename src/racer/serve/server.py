@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import racer
 from racer.serve.app import MAX_BODY, MEMORY_SCOPES, Served, create_app
-from racer.serve.engine import Engine
+from racer.serve.worker import DecodingThread
 from racer.serve.metrics import Metrics
 
 
@@ -37,7 +37,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     racer.parse_method(method)  # a bad spec fails before the model loads
     listener = bind(host, port)
 
-    def build() -> racer.BatchDecoder:  # on the engine's thread: one OpenMP team (serve/engine.py)
+    def build() -> racer.BatchDecoder:  # on the decoding thread: one OpenMP team (serve/worker.py)
         say(f"loading {model_name or racer.DEFAULT_MODEL} ({dtype}); the port opens when it is ready")
         model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device, announce=say)
         decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
@@ -45,12 +45,12 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
         return decoder
 
     metrics = Metrics()
-    engine = Engine(build, max_queue, on_step=metrics.step)
-    decoder = engine.wait_ready()
+    worker = DecodingThread(build, max_queue, on_step=metrics.step)
+    decoder = worker.wait_ready()
     tokenizer = decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
     context = decoder.facts.max_positions
-    served = Served(engine, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
+    served = Served(worker, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
                     max_body)
     app = create_app(served)
 
@@ -59,7 +59,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
         say(f"serving {name} with {method} on http://{host}:{port} (max batch {max_batch}, queue {max_queue}, "
             f"drafter memory per {memory_scope})")
         yield
-        engine.stop(grace=0.0)  # uvicorn has already waited out the grace for open streams
+        worker.stop(grace=0.0)  # uvicorn has already waited out the grace for open streams
         say("stopped")
 
     app.router.lifespan_context = lifespan

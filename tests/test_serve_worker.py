@@ -11,7 +11,7 @@ import pytest
 from conftest import make_tiny_llama
 from racer import BatchDecoder, GenerationOptions
 from racer.serve import protocol
-from racer.serve.engine import Engine, QueueFull
+from racer.serve.worker import DecodingThread, QueueFull
 
 
 def sink():
@@ -29,27 +29,27 @@ def drain(box, timeout: float = 60) -> list[tuple]:
 
 
 @pytest.fixture()
-def engine():
+def worker():
     decoder = BatchDecoder(make_tiny_llama(), None, "pld", max_batch=2)
-    running = Engine(decoder, max_queue=1)
+    running = DecodingThread(decoder, max_queue=1)
     yield running
     running.stop(grace=5)
 
 
-def test_requests_flow_through_the_thread(engine):
+def test_requests_flow_through_the_thread(worker):
     box, deliver = sink()
-    engine.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
+    worker.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
     items = drain(box)
     assert items[-1][0] == "done" and len(items[-1][1].tokens) == 12
     assert sum((value.tokens for what, value in items if what == "tokens"), []) == items[-1][1].tokens
     deadline = time.monotonic() + 5
-    while engine.held and time.monotonic() < deadline:
+    while worker.held and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert engine.held == 0
+    assert worker.held == 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_thread_goes_on(engine, monkeypatch):
-    real_step = engine.decoder.step
+def test_a_failing_step_fails_its_requests_and_the_thread_goes_on(worker, monkeypatch):
+    real_step = worker.decoder.step
     calls = []
 
     def failing_step():
@@ -58,25 +58,25 @@ def test_a_failing_step_fails_its_requests_and_the_thread_goes_on(engine, monkey
             raise RuntimeError("a drafter broke")
         return real_step()
 
-    monkeypatch.setattr(engine.decoder, "step", failing_step)
+    monkeypatch.setattr(worker.decoder, "step", failing_step)
     box, deliver = sink()
-    engine.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=40), deliver)
+    worker.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=40), deliver)
     items = drain(box)
     assert items[-1][0] == "error" and "a drafter broke" in str(items[-1][1])
     box, deliver = sink()  # the next request is served by a fresh decoder
-    engine.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=6), deliver)
+    worker.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=6), deliver)
     assert drain(box)[-1][0] == "done"
 
 
-def test_the_queue_bound_refuses_the_excess(engine):
+def test_the_queue_bound_refuses_the_excess(worker):
     held = []
-    for _ in range(engine.capacity):
+    for _ in range(worker.capacity):
         box, deliver = sink()
-        held.append((box, engine.submit([5, 17, 42], GenerationOptions(max_new_tokens=200), deliver)))
+        held.append((box, worker.submit([5, 17, 42], GenerationOptions(max_new_tokens=200), deliver)))
     with pytest.raises(QueueFull, match="in flight or queued"):
-        engine.submit([5, 17, 42], GenerationOptions(max_new_tokens=2), sink()[1])
+        worker.submit([5, 17, 42], GenerationOptions(max_new_tokens=2), sink()[1])
     for box, ticket in held:
-        engine.cancel(ticket)
+        worker.cancel(ticket)
     for box, _ in held:
         assert drain(box)[-1][0] in ("done", "cancelled")
 

@@ -42,8 +42,8 @@ class Ticket:
     cancelled: bool = False
 
 
-class Engine:
-    """Runs a decoder on a thread of its own; at most ``max_batch + max_queue``
+class DecodingThread:
+    """Runs an engine (``racer.BatchDecoder``) on a thread of its own; at most ``max_batch + max_queue``
     requests are held at once. ``decoder``: a ``BatchDecoder``, or a function that
     builds one, called on the engine's thread (``wait_ready`` returns it)."""
 
@@ -63,7 +63,7 @@ class Engine:
         self._tickets: dict[int, Ticket] = {}
         self._wake = threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="racer-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="racer-decoding", daemon=True)
         self._thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> BatchDecoder:

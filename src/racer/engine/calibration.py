@@ -4,7 +4,7 @@ kernel in each of four shuffled rounds, the fastest kept) and caching it on disk
 A kernel is offered only where it gives the logits the model's own layers give
 (checked once, to the tolerance of tree verification itself). Measuring takes tens of
 seconds on a CPU, so it is announced, and done only when asked for
-(``Decoder.calibrate``, ``racer cost``) or when a decoder first needs the table.
+(``BatchDecoder.calibrate``, ``racer cost``) or when the engine first needs a table.
 """
 
 from __future__ import annotations
@@ -13,13 +13,24 @@ import hashlib
 import json
 import os
 import platform
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import torch
+
+from racer.budget.batch_cost import BatchCostModel, nodes_to_measure
 from racer.budget.cost import SIZES, CostModel
+from racer.drafting.tree import chain
+from racer.engine.host import host_float, synchronize, to_host
+from racer.engine.model_facts import ModelFacts
+from racer.engine.rows import SlotRows
+from racer.engine.selftest import random_tree, tolerance
+from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import KERNELS, FastPaths
-from racer.loading import announce_on_stderr
+from racer.loading import announce_on_stderr, cache_dir
 
 Announce = Callable[[str], None]
 
@@ -78,10 +89,6 @@ def cpu_info() -> dict[str, Any]:
 def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
     """What a cost table depends on: the model's shape, device, dtype, threads, torch,
     and which fast paths verify its trees."""
-    import torch
-
-    from racer.engine.model_facts import ModelFacts
-
     config = model.config
     shape = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                     "num_hidden_layers", "num_attention_heads",
@@ -97,8 +104,6 @@ def hardware_key(model: Any, fast_paths: FastPaths = FastPaths()) -> dict:
 
 
 def cost_file(model: Any, fast_paths: FastPaths = FastPaths()) -> Path:
-    from racer.loading import cache_dir
-
     key = json.dumps(hardware_key(model, fast_paths), sort_keys=True, default=str)
     return cache_dir() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
@@ -113,13 +118,6 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     sizes every round and make them look dearer than the sizes around them, which
     steers the budget away from them for good (it seldom verifies them again to learn
     better). ``announce`` hears how far it is, every few seconds."""
-    import numpy as np
-
-    from racer.drafting.tree import chain
-    from racer.engine.host import synchronize
-    from racer.engine.selftest import random_tree
-    from racer.engine.verifier import TreeVerifier
-
     verifier = TreeVerifier(model, fast_paths)
     vocab = verifier.facts.vocab_size
     rng = np.random.default_rng(0)
@@ -183,9 +181,6 @@ def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
     """Whether ``kernel`` is available and gives this model the logits its own layers
     give (a kernel leaves alone layers that do not call ``linear`` on plain weights, so
     this guards against an exotic modeling file or a broken build, not rounding)."""
-    from racer.engine.host import host_float
-    from racer.engine.selftest import random_tree, tolerance
-
     if not verifier.kernels.available(kernel):
         return False
     tree = random_tree(rng, vocab, 8, 3)
@@ -204,40 +199,99 @@ def disk_cache_enabled() -> bool:
 
 
 def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = FastPaths(),
-                    announce: Callable[[str], None] | None = announce_on_stderr) -> CostModel:
-    """The cost model cached on disk for this model and hardware, measured if absent
-    (or if ``refresh``), with a line to ``announce`` before measuring. Set
-    RACER_COST_CACHE=0 to measure every time, never saving."""
+                    announce: Announce | None = announce_on_stderr, *,
+                    rows: Sequence[int] | None = None) -> CostModel | BatchCostModel:
+    """The cost table cached on disk for this model and hardware, measured if absent
+    (or if ``refresh``), with a line to ``announce`` before measuring; the table keeps
+    its file's path, so that ``save`` writes its refreshes back. Set
+    RACER_COST_CACHE=0 to measure every time, never saving.
+
+    ``rows`` None: the table of one tree per pass, by size, with each size's fastest
+    linear kernel (``measure``). ``rows``: the table of batched passes of each of those
+    row counts (``measure_batch``), timed with the kernels of the first table, which is
+    read or measured first."""
+    single = _cached(cost_file(model, fast_paths), CostModel.from_json, refresh, announce,
+                     f"verification passes of 1-{SIZES[-1]}-node trees (tens of seconds on a CPU)",
+                     lambda: measure(model, fast_paths=fast_paths, announce=announce))
+    if rows is None:
+        return single
+    rows = list(rows)
+
+    def read(data: dict, path: str) -> BatchCostModel:
+        table = BatchCostModel.from_json(data, path)
+        if table.rows != rows:
+            raise ValueError("batch cost model: other row counts")
+        return table
+
+    def build() -> BatchCostModel:
+        timer = BatchedPassTimer(model, single, max(rows), fast_paths)
+        table = measure_batch(timer.seconds, rows, announce=announce)
+        table.kernel_table = CostModel(list(single.sizes), list(single.seconds), single.length,
+                                       kernels=list(single.kernels))
+        return table
+
+    path = batch_cost_file(model, rows, [*map(str, single.sizes), *single.kernels], fast_paths)
+    return _cached(path, read, refresh, announce, f"batched passes of 1-{rows[-1]} requests", build)
+
+
+def _cached(path: Path, read: Callable[[dict, str], Any], refresh: bool, announce: Announce | None, what: str,
+            build: Callable[[], Any]) -> Any:
     use_disk = disk_cache_enabled()
-    path = cost_file(model, fast_paths)
     if use_disk and not refresh and path.exists():
         try:
-            return CostModel.from_json(json.loads(path.read_text(encoding="utf-8")), str(path))
+            return read(json.loads(path.read_text(encoding="utf-8")), str(path))
         except (ValueError, KeyError, TypeError, json.JSONDecodeError):
             pass  # an old or damaged file: measure again
     if announce is not None:
         where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
-        announce(f"timing verification passes of 1-{SIZES[-1]}-node trees once for this model and hardware "
-                 f"(tens of seconds on a CPU){where}")
-    measured = measure(model, fast_paths=fast_paths, announce=announce)
+        announce(f"timing {what} once for this model and hardware{where}")
+    table = build()
     if use_disk:
-        measured.path = str(path)
-        measured.save()
-    return measured
+        table.path = str(path)
+        table.save()
+    return table
+
+
+class BatchedPassTimer:
+    """Times batched passes for ``measure_batch`` on caches of its own: up to ``rows``
+    rows holding one random context, grown when a longer one is asked for."""
+
+    def __init__(self, model: Any, single: CostModel, rows: int, fast_paths: FastPaths) -> None:
+        self.model, self.most = model, rows
+        self.verifier = TreeVerifier(model, fast_paths)
+        self.verifier.set_kernels(single.kernel, single.kernels)  # as the engine verifies
+        self.store: SlotRows | None = None
+        self.context = 0
+
+    def seconds(self, rows: int, nodes: int, cached: int) -> float:
+        """One pass of ``rows`` random trees of ``nodes`` nodes on caches of ``cached``
+        tokens, read as a step reads."""
+        vocab = self.verifier.facts.vocab_size
+        if self.store is None or self.context < cached:
+            prefill = TreeVerifier(self.model, self.verifier.fast_paths, self.verifier.facts, self.verifier.layout)
+            rng = np.random.default_rng(0)
+            prefill.prefill([int(t) for t in rng.integers(vocab, size=cached)])
+            self.store = SlotRows(self.verifier, self.model.config)
+            for _ in range(self.most):
+                self.store.admit(prefill)
+            self.context = cached
+        rng = np.random.default_rng(rows * 1000 + nodes)
+        trees = [random_tree(rng, vocab, nodes, max(1, min(nodes - 1, 8))) for _ in range(rows)]
+        with self.store.only(rows, cached):
+            synchronize(self.verifier.device)
+            start = time.perf_counter()
+            to_host(self.store.forward(trees).argmax(dim=-1))
+            return time.perf_counter() - start
 
 
 def measure_batch(time_pass: Callable[[int, int, int], float], rows: Sequence[int], length: int = 32,
                   grown: int = 192, repeats: int = 3, seed: int = 0,
-                  announce: Announce | None = None) -> "BatchCostModel":
+                  announce: Announce | None = None) -> BatchCostModel:
     """Time batched passes: ``time_pass(rows, nodes, cached)`` is one pass of ``rows``
     random trees of ``nodes`` nodes on caches of ``cached`` tokens, in seconds. Every
     (rows, nodes) pair at ``length``, and each row count's smallest and largest size at
     ``length + grown`` for the growth terms, visited in shuffled rounds, best of
     ``repeats`` (as ``measure``)."""
-    import random
-
-    from racer.budget.batch_cost import BatchCostModel, nodes_to_measure
-
     rng = random.Random(seed)
     sizes = {r: nodes_to_measure(r) for r in rows}
     for r in rows:  # warm-up: first-call allocations of each row count
@@ -271,40 +325,6 @@ def measure_batch(time_pass: Callable[[int, int, int], float], rows: Sequence[in
 
 def batch_cost_file(model: Any, rows: Sequence[int], kernels: Sequence[str],
                     fast_paths: FastPaths = FastPaths()) -> Path:
-    from racer.loading import cache_dir
-
     key = json.dumps({**hardware_key(model, fast_paths), "rows": list(rows), "kernels": list(kernels)},
                      sort_keys=True, default=str)
     return cache_dir() / "costs" / ("batch-" + hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
-
-
-def load_or_measure_batch(model: Any, rows: Sequence[int], single: CostModel,
-                          time_pass: Callable[[int, int, int], float], refresh: bool = False,
-                          fast_paths: FastPaths = FastPaths(),
-                          announce: Callable[[str], None] | None = announce_on_stderr) -> "BatchCostModel":
-    """The batched-pass cost table cached on disk for this model, hardware, row counts
-    and linear kernels, measured with ``time_pass`` if absent or if ``refresh`` (RACER_COST_CACHE as
-    ``load_or_measure``). ``single``: the single-request table, whose kernel for each
-    pass size the batch verifies with (and the table is timed with)."""
-    from racer.budget.batch_cost import BatchCostModel
-
-    use_disk = disk_cache_enabled()
-    path = batch_cost_file(model, rows, [*map(str, single.sizes), *single.kernels], fast_paths)
-    if use_disk and not refresh and path.exists():
-        try:
-            table = BatchCostModel.from_json(json.loads(path.read_text(encoding="utf-8")))
-            if table.rows == list(rows):
-                return table
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError):
-            pass
-    if announce is not None:
-        where = f"; cached in {path.parent}" if use_disk else " (RACER_COST_CACHE=0: not saved)"
-        announce(f"timing batched passes of 1-{rows[-1]} requests once for this model and hardware{where}")
-    measured = measure_batch(time_pass, rows, announce=announce)
-    measured.kernel_table = CostModel(list(single.sizes), list(single.seconds), single.length,
-                                      kernels=list(single.kernels))
-    if use_disk:
-        measured.path = str(path)
-        measured.save()
-        measured.path = None  # the table is kept as measured; refreshes live with the decoder
-    return measured

@@ -1,0 +1,432 @@
+"""The decoding engine: requests join and leave between steps, and each step verifies
+every decoding request's draft tree in one pass. A single request is a batch of one
+(``racer.Decoder`` is a front over this engine with one row).
+
+A joining request is prefilled in chunks of at most ``prefill_chunk`` tokens, one
+chunk per step, so a long prompt delays the requests already decoding by one bounded
+chunk a step; then it takes a row (``racer.engine.rows``). Each step: the budget says
+whether to draft and how many candidates to ask for; each request's drafter proposes a
+tree; the budget keeps the part of each worth verifying; one pass verifies them all;
+each row accepts its path (greedy, or exact sampling), keeps its KV, and its drafter
+and acceptance model learn what the pass revealed.
+
+The engine knows nothing of how drafts are made: it talks to drafters through the
+interface of ``racer.drafting.base`` and the lifecycle of ``racer.engine.memory``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
+
+import numpy as np
+import torch
+
+from racer.budget import BatchBudget, Budget, CostModel, DraftBudget, StepTiming, WholeTree
+from racer.budget.batch_cost import BatchCostModel, rows_to_measure
+from racer.drafting import Drafter, Method, parse_method
+from racer.drafting.tree import DraftTree, chain
+from racer.engine.calibration import announce_on_stderr, load_or_measure
+from racer.engine.host import to_host
+from racer.engine.memory import DraftSession, DrafterMemory
+from racer.engine.model_facts import ModelFacts
+from racer.engine.options import GenerationOptions, request_ids
+from racer.engine.provenance import accepted_sources
+from racer.engine.results import GenerationResult, StepStats
+from racer.engine.rows import OneRow, Rows, SlotRows
+from racer.engine.sampling import TokenChooser, accept_greedy
+from racer.engine.selftest import WindowCheck, self_test
+from racer.engine.stopping import Stopper, answer_text, end_token_ids
+from racer.engine.verifier import TreeVerifier
+from racer.fastpaths import FastPaths
+
+
+def top_ids(logits: torch.Tensor, k: int) -> np.ndarray:
+    """The ``k`` most likely token ids of each row, as a host array."""
+    return to_host(torch.topk(logits, k, dim=-1).indices)
+
+
+@dataclass
+class Update:
+    """What one step did for one request: the tokens it emitted, and whether it ended;
+    each token's provenance (``GenerationResult.token_sources``), the pass's number in
+    the request (0: the prefill) and the nodes verified for it (0: no pass)."""
+
+    request: int
+    tokens: list[int]
+    done: bool
+    sources: list[str] = field(default_factory=list)
+    step: int = 0
+    tree_size: int = 0
+
+
+@dataclass
+class _Request:
+    """One request, from ``submit`` to its result."""
+
+    id: int
+    ids: list[int]  # the prompt
+    options: GenerationOptions
+    chooser: TokenChooser
+    stopper: Stopper
+    result: GenerationResult  # its tokens are the context after the prompt
+    scope: Hashable | None
+    started: float
+    session: DraftSession | None = None  # from the end of its prefill to its finish
+    verifier: TreeVerifier | None = None  # while prefilling
+    prefilled: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)  # prefill logits the drafter needs
+    row: int | None = None
+    cancelled: bool = False
+
+
+def resolve_method(method: str | Drafter | Method, capacity: int | str | None = None) -> Method:
+    """A method spec, a ``Drafter`` or a ``Method``, with ``capacity`` overriding its own."""
+    if isinstance(method, str):
+        return parse_method(method, capacity)
+    if isinstance(method, Method):
+        return method if capacity is None else Method.of(method.drafter, capacity)
+    return Method.of(method, capacity)  # a Drafter, or a clear error
+
+
+class BatchDecoder:
+    """Decodes requests with one model and one draft method, up to ``max_batch`` of them
+    verified together (the others wait, in order).
+
+    ``method``: a spec such as ``"racer:capacity=16"`` (each request gets a drafter built
+    from it, or one a finished request of its memory scope handed back, see ``submit``),
+    or, with ``max_batch=1``, a ``Drafter`` or ``Method`` (that one drafter serves every
+    request); ``capacity`` overrides the method's (``"auto"``: each step the draft budget
+    keeps the part of the candidate trees worth verifying on this hardware; a number: a
+    fixed size). ``prefill_chunk``: the most prompt tokens prefilled in one step.
+    ``cost``: the step-cost curve; None: ``calibrate`` reads or measures it on the first
+    step. With one row it is read per tree size (a ``CostModel``); with more, a
+    ``BatchCostModel`` measured on batched passes, or a one-row curve read per node as a
+    rough prior. A measured curve also says which linear kernel verifies each pass size
+    fastest. The engine refreshes its curve with its steps; a table it read or measured
+    itself is saved back to the disk cache whenever the last request in flight finishes,
+    a curve given here is copied and never saved.
+    ``memory_limit``: idle drafters kept for later requests of their scope (default
+    ``4 x max_batch``); ``fast_paths``: ``False`` verifies with the model's own code
+    only, or a ``FastPaths`` switches each fast path on its own; ``check``: self-test tree
+    verification on this model first (and, the first time a request's context reaches
+    one of its attention windows, past its windows)."""
+
+    def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "racer", *,
+                 max_batch: int = 8, prefill_chunk: int = 512, capacity: int | str | None = None, cost: Any = None,
+                 check: bool = True, fast_paths: bool | FastPaths = True, memory_limit: int | None = None) -> None:
+        for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if not isinstance(method, str) and max_batch > 1:
+            raise ValueError(f"method: a {type(method).__name__} drafts for one request at a time; pass a method "
+                             "spec such as 'racer:capacity=16' for max_batch > 1")
+        self.model, self.tokenizer = model, tokenizer
+        self.spec, self.capacity = method, capacity
+        self.method: Method = resolve_method(method, capacity)  # checks the spec once
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.facts = ModelFacts.of(model)
+        self.fast_paths = FastPaths.of(fast_paths).on(self.facts.device.type)
+        if check:
+            self_test(model)
+        self.verifier = TreeVerifier(model, self.fast_paths, self.facts)
+        # The self-test past the model's windows waits for the first pass that reaches one.
+        self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
+        self.rows: Rows = OneRow(self.verifier) if max_batch == 1 else SlotRows(self.verifier, model.config)
+        self.end_ids = end_token_ids(self.facts.end_ids, tokenizer)
+        self.needs = self.method.drafter.needs
+        # Attached now, so that a drafter that cannot serve this model (a datastore of
+        # another tokenizer) is refused here; it is the first request's drafter.
+        self.method.drafter.attach(tokenizer, set(self.end_ids))
+        self._spare: Drafter | None = self.method.drafter
+        self.memory = DrafterMemory(self._new_drafter, self.method.auto,
+                                    4 * max_batch if memory_limit is None else memory_limit)
+        self.cost: Any = None
+        self.budget: Budget = WholeTree()
+        self.lone_budget: Budget | None = None  # with more rows, for steps that hold one request
+        self._calibrated = False
+        if cost is not None or not self._needs_costs():
+            self._use_cost(cost)
+        self._waiting: list[_Request] = []
+        self._active: list[_Request] = []  # in row order
+        self._finished: dict[int, _Request] = {}
+        self._next_id = 0
+        self._unsaved = False  # the cost curve learnt since it was last saved
+
+    def fresh(self) -> "BatchDecoder":
+        """A new, empty engine with the same model, settings, cost curve and idle
+        drafters (no self-test again)."""
+        engine = BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
+                              prefill_chunk=self.prefill_chunk, capacity=self.capacity, cost=self.cost, check=False,
+                              fast_paths=self.fast_paths, memory_limit=self.memory.pool.limit)
+        engine.memory = self.memory
+        return engine
+
+    def _new_drafter(self) -> Drafter:
+        if self._spare is not None or not isinstance(self.spec, str):
+            drafter, self._spare = self.method.drafter, None
+            return drafter
+        drafter = resolve_method(self.spec).drafter
+        drafter.attach(self.tokenizer, set(self.end_ids))
+        return drafter
+
+    # -- set-up ---------------------------------------------------------------------
+    def _needs_costs(self) -> bool:
+        # A lone request that never drafts verifies one token a pass: nothing to choose.
+        return self.method.drafts or self.max_batch > 1
+
+    def calibrate(self, refresh: bool = False,
+                  announce: Callable[[str], None] | None = announce_on_stderr) -> None:
+        """Read from the disk cache, or measure (``announce`` is told first), the cost
+        table this engine needs: the one-tree table for each pass size's linear kernel
+        (and, with one row and ``capacity=auto``, for the draft budget), and, with more
+        rows and ``capacity=auto``, the cost of batched passes of 1..``max_batch`` rows.
+        The first ``step`` calls this if nobody did."""
+        if self._calibrated and not refresh:
+            return
+        batched = self.method.auto and self.max_batch > 1
+        rows = rows_to_measure(self.max_batch) if batched else None
+        self._use_cost(load_or_measure(self.model, refresh, self.fast_paths, announce, rows=rows), own=True)
+
+    def _use_cost(self, cost: Any, own: bool = False) -> None:
+        """``own``: a table ``calibrate`` read or measured, saved back as it learns; a
+        curve given as ``cost`` stays the caller's: the engine learns on a copy of it,
+        which it never saves."""
+        if cost is not None and not own:
+            cost = copy.deepcopy(cost)
+            if hasattr(cost, "path"):
+                cost.path = None
+        one_tree = cost.kernel_table if isinstance(cost, BatchCostModel) else cost
+        if isinstance(one_tree, CostModel):
+            self.verifier.set_kernels(one_tree.kernel, one_tree.kernels)
+        self.cost = cost
+        self.lone_budget = None
+        if not self.method.auto or cost is None:
+            self.budget = WholeTree()
+        elif self.max_batch == 1:
+            self.budget = DraftBudget(cost)
+        else:
+            self.budget = BatchBudget(cost)
+            if one_tree is not None:
+                # A step with one request in it is chosen per node, as a lone request's.
+                self.lone_budget = DraftBudget(one_tree)
+        self._calibrated = True
+
+    # -- requests -------------------------------------------------------------------
+    def submit(self, prompt: Any, options: GenerationOptions | None = None, *, scope: Hashable | None = None,
+               result: GenerationResult | None = None, **fields: Any) -> int:
+        """Queue a request (text, chat messages or token ids); returns its id. Options
+        come as a ``GenerationOptions`` and/or as its fields by keyword.
+
+        ``scope``: requests of one scope share drafter memory: this request drafts with
+        the drafter a finished request of the scope handed back last (if one is idle)
+        and hands it back when it ends; None: a drafter of its own, dropped after.
+        ``result``: where the request's tokens and statistics go as it decodes (emptied
+        first; ``self.result`` hands it back at the end), for a caller that shows them
+        as they come."""
+        started = time.perf_counter()
+        options = GenerationOptions.of(options, fields)
+        ids = request_ids(self.tokenizer, prompt, options, self.verifier.max_positions)
+        if result is None:
+            result = GenerationResult.empty(len(ids))
+        else:
+            result.restart(len(ids))
+        request = _Request(self._next_id, ids, options, TokenChooser(options, self.verifier.device),
+                           Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens),
+                           result, scope, started)
+        self._next_id += 1
+        self._waiting.append(request)
+        return request.id
+
+    def cancel(self, request: int) -> None:
+        """End a request at the next step (a client that went away)."""
+        for queued in self._waiting + self._active:
+            if queued.id == request:
+                queued.cancelled = True
+
+    def result(self, request: int) -> GenerationResult:
+        """A finished request's result (its tokens, text and per-step statistics),
+        handed over once: the engine keeps nothing of a request after that."""
+        if request not in self._finished:
+            raise KeyError(f"request: {request} has not finished (or its result was taken)")
+        return self._finished.pop(request).result
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._active)
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle_drafters(self) -> int:
+        """Drafters kept for later requests of their scope."""
+        return len(self.memory)
+
+    def generate_all(self, prompts: Iterable[Any], **fields: Any) -> list[GenerationResult]:
+        """Decode every prompt together (options as ``submit``)."""
+        ids = [self.submit(prompt, **fields) for prompt in prompts]
+        while self.busy:
+            self.step()
+        return [self.result(i) for i in ids]
+
+    # -- one step -------------------------------------------------------------------
+    def step(self) -> list[Update]:
+        """One prefill chunk for the first waiting request (if a row is free), then one
+        pass over the decoding ones. Returns what each request emitted."""
+        if not self._calibrated:
+            self.calibrate()
+        updates: list[Update] = []
+        for request in [r for r in self._waiting + self._active if r.cancelled]:
+            if request in self._waiting:
+                self._waiting.remove(request)
+            self._finish(request, "cancelled")
+            updates.append(Update(request.id, [], True))
+        if self._waiting and len(self._active) < self.max_batch:
+            self._prefill_chunk(self._waiting[0], updates)
+        if self._active:
+            self._verify(updates)
+        if self._unsaved and not self.busy:
+            self._save_cost()
+        return updates
+
+    def _save_cost(self) -> None:
+        save = getattr(self.cost, "save", None)
+        if save is not None:
+            save()
+        self._unsaved = False
+
+    def _prefill_chunk(self, request: _Request, updates: list[Update]) -> None:
+        start = time.perf_counter()
+        if request.verifier is None:
+            request.verifier = self.rows.prefill_verifier()
+        verifier, ids = request.verifier, request.ids
+        take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
+        if request.prefilled == 0:
+            logits = verifier.prefill(take, all_logits=self.needs.prompt)
+        else:
+            logits = verifier.verify(chain(take[0], take[1:]))
+            verifier.commit(list(range(len(take))), len(take))
+        request.prefilled += len(take)
+        request.logits.append(logits if self.needs.prompt else logits[-1:])
+        if request.prefilled < len(ids):
+            request.result.prefill_s += time.perf_counter() - start
+            return
+        self._waiting.remove(request)
+        logits = torch.cat(request.logits) if self.needs.prompt else request.logits[-1]
+        root = request.chooser.first(logits[-1:], ids)
+        request.session = self.memory.begin(request.scope, ids, top_ids(logits, self.needs.topk)
+                                            if self.needs.topk else None)
+        request.row = self.rows.admit(verifier)
+        request.verifier, request.logits = None, []
+        self._active.append(request)
+        request.result.prefill_s += time.perf_counter() - start
+        cut = request.stopper.cut(request.result.tokens, [root])
+        request.result.extend(cut.tokens, ["none"], 0)
+        full = verifier.cached + 1 >= self.verifier.max_positions
+        updates.append(Update(request.id, cut.tokens, cut.done or full, ["none"] * len(cut.tokens), 0, 0))
+        if cut.done or full:
+            self._finish(request, request.stopper.reason if cut.done else "context")
+
+    def _verify(self, updates: list[Update]) -> None:
+        """One step over the decoding requests. Every request's ``StepStats`` holds the
+        step's times: ``draft_s`` proposing, choosing and the drafters' updates,
+        ``verify_s`` the pass, reading it, acceptance and keeping the accepted KV."""
+        start = time.perf_counter()
+        lengths = list(self.rows.lengths)
+        self._windows.before(max(lengths) + self.method.draft_size)
+        budget = self.lone_budget if self.lone_budget is not None and len(self._active) == 1 else self.budget
+        drafting = budget.drafts()
+        proposed: list[DraftTree] = []
+        for request in self._active:
+            root = request.result.tokens[-1]
+            room = self.verifier.max_positions - lengths[request.row]
+            size = budget.ask(min(self.method.draft_size, request.options.max_tree, room))
+            proposed.append(request.session.draft(root, size) if drafting else DraftTree.single(root))
+        candidates = [len(tree) for tree in proposed]
+        trees = budget.select(proposed, [r.session.acceptance for r in self._active], lengths) if drafting else proposed
+        drafted_at = time.perf_counter()
+        logits = self.rows.forward(trees)
+        chosen, topk = self._read(trees, logits)
+        accepted = []
+        for request, tree, tokens, rows_topk in zip(self._active, trees, chosen, topk):
+            row_logits = logits[request.row, : len(tree)]
+            if tokens is None:  # a sampling walk on the CPU
+                path, following = request.chooser.walk(tree, row_logits, request.ids, request.result.tokens)
+            else:
+                path = accept_greedy(tree, tokens)
+                following = tokens[path[-1]]
+            if self.needs.at == "last" and self.needs.topk:
+                rows_topk = (rows_topk[path[-1] : path[-1] + 1] if rows_topk is not None
+                             else top_ids(row_logits[path[-1] : path[-1] + 1], self.needs.topk))
+            self.rows.commit(request.row, path, len(tree))
+            accepted.append((path, following, rows_topk))
+        pass_s = time.perf_counter() - drafted_at
+        for request, tree, (path, _, rows_topk) in zip(self._active, trees, accepted):
+            request.session.observe(tree, rows_topk, path, rated=drafting)
+        step_s = time.perf_counter() - start
+        draft_s = step_s - pass_s
+        budget.observe(StepTiming(trees, lengths, pass_s, step_s, draft_s if drafting else None))
+        ended = []
+        for request, tree, (path, following, _), size in zip(list(self._active), trees, accepted, candidates):
+            request.result.steps.append(StepStats(len(tree), len(path) - 1, draft_s, pass_s, size))
+            cut = request.stopper.cut(request.result.tokens, [tree.tokens[i] for i in path[1:]] + [following])
+            sources = accepted_sources(tree, path)[: len(cut.tokens)]
+            request.result.extend(cut.tokens, sources, len(request.result.steps))
+            full = self.rows.lengths[request.row] + 1 >= self.verifier.max_positions
+            if cut.done or full:
+                ended.append((request, request.stopper.reason if cut.done else "context"))
+            updates.append(Update(request.id, cut.tokens, cut.done or full, sources, len(request.result.steps),
+                                  len(tree)))
+        self._unsaved = True
+        for request, reason in ended:  # after the loop: releasing a row moves another
+            self._finish(request, reason)
+
+    def _read(self, trees: list[DraftTree], logits: torch.Tensor) -> tuple[list, list]:
+        """Every row's chosen node tokens and the drafter's top-k ids, read in one
+        transfer. A sampling walk on the CPU reads later, node by node; where choosers
+        walk on the CPU, reading costs nothing, so the top-k of a drafter that needs the
+        last accepted node's only is taken once the path is known."""
+        rows, nodes = len(trees), logits.shape[1]
+        late = self.needs.at == "last" and not any(r.chooser.batched for r in self._active)
+        k = 0 if late else self.needs.topk
+        parts, walking = [], []
+        for request, tree in zip(self._active, trees):
+            chosen = request.chooser.node_tokens(tree, logits[request.row, : len(tree)], request.ids,
+                                                 request.result.tokens)
+            walking.append(chosen is None)
+            row = torch.zeros(nodes, dtype=torch.long, device=logits.device)
+            if chosen is not None:
+                row[: len(tree)] = chosen
+            parts.append(row)
+        table = torch.stack(parts)[:, :, None]
+        if k:
+            table = torch.cat([table, torch.topk(logits, k, dim=-1).indices], dim=2)
+        host = to_host(table)
+        chosen = [None if walking[r] else host[r, : len(trees[r]), 0].tolist() for r in range(rows)]
+        topk = [host[r, : len(trees[r]), 1:] if k else None for r in range(rows)]
+        return chosen, topk
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        if request in self._active:
+            moved = self.rows.release(request.row)
+            self._active.remove(request)
+            for other in self._active:
+                if moved is not None and other.row == moved:
+                    other.row = request.row
+            self._active.sort(key=lambda r: r.row)
+        result = request.result
+        result.stop_reason = reason
+        if request.session is not None:
+            result.drafter_stats = self.memory.end(request.session)
+            request.session = None
+        result.wall_s = time.perf_counter() - request.started
+        result.text = answer_text(self.tokenizer, result.tokens, request.options.stop)
+        self._finished[request.id] = request

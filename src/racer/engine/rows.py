@@ -1,0 +1,158 @@
+"""Where the engine keeps its requests' KV, one row per request decoding, and how it
+verifies every row's tree in one pass.
+
+``OneRow`` holds one request in the engine's own ``TreeVerifier``: the request is
+prefilled straight into the cache it decodes on (a growing cache: no copy), and a
+chain is verified without a mask where the model's own causal mask does. ``SlotRows``
+holds many in a ``SlotCache``: every pass pads the rows' trees to the largest and
+gives each row its own positions and masks (its own context within its layers'
+windows, its own ancestors), so no request sees another's tokens.
+
+Design choice: one batch row per request with per-row lengths, rather than one
+flattened sequence whose mask separates requests: a flattened pass would attend every
+query to every request's cache (B times the attention work), while rows attend only
+to their own, at the price of padding trees to the largest and contexts to the
+longest row.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from racer.drafting.tree import DraftTree
+from racer.engine.slots import SlotCache
+from racer.engine.verifier import TreeVerifier
+from racer.engine.windows import indexed_windows
+
+
+class Rows(Protocol):
+    """What the engine asks of its KV rows."""
+
+    lengths: list[int]  # each row's cached tokens (the context but its last token)
+
+    def prefill_verifier(self) -> TreeVerifier:
+        """A verifier to prefill a new request on (``admit`` then takes it in)."""
+
+    def admit(self, prefilled: TreeVerifier) -> int:
+        """Take in a prefilled request; returns its row, the last."""
+
+    def release(self, row: int) -> int | None:
+        """Free ``row``; returns the row that moved into it, if one did."""
+
+    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
+        """Logits at every node of every row's tree: (rows, nodes, vocab), padded."""
+
+    def commit(self, row: int, path: list[int], tree_size: int) -> None:
+        """Keep ``path`` of ``row``'s last tree after its context, drop the rest."""
+
+
+class OneRow:
+    """One request at a time, in ``verifier``'s own cache."""
+
+    def __init__(self, verifier: TreeVerifier) -> None:
+        self.verifier = verifier
+        self.held = False
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.verifier.cached] if self.held else []
+
+    def prefill_verifier(self) -> TreeVerifier:
+        if self.held:
+            raise RuntimeError("rows: one request at a time")
+        return self.verifier
+
+    def admit(self, prefilled: TreeVerifier) -> int:
+        if prefilled is not self.verifier or self.held:
+            raise RuntimeError("rows: one request at a time, prefilled on the row's own verifier")
+        self.held = True
+        return 0
+
+    def release(self, row: int) -> int | None:
+        self.held = False
+        return None
+
+    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
+        return self.verifier.verify(trees[0])[None]
+
+    def commit(self, row: int, path: list[int], tree_size: int) -> None:
+        self.verifier.commit(path, tree_size)
+
+
+class SlotRows:
+    """Many requests in one ``SlotCache``, verified together."""
+
+    def __init__(self, verifier: TreeVerifier, config: Any) -> None:
+        self.verifier = verifier
+        self.slots = SlotCache(config)
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.slots.state.lengths
+
+    def prefill_verifier(self) -> TreeVerifier:
+        v = self.verifier
+        return TreeVerifier(v.model, v.fast_paths, v.facts, v.layout)
+
+    def admit(self, prefilled: TreeVerifier) -> int:
+        return self.slots.admit(prefilled.cache, prefilled.cached)
+
+    def release(self, row: int) -> int | None:
+        return self.slots.release(row)
+
+    def commit(self, row: int, path: list[int], tree_size: int) -> None:
+        self.slots.compact(row, path)
+
+    @contextmanager
+    def only(self, rows: int, length: int) -> Iterator[None]:
+        """For a timing: the first ``rows`` rows, each ``length`` tokens long, until
+        the block ends."""
+        state = self.slots.state
+        held = state.lengths
+        state.lengths = [length] * rows
+        try:
+            yield
+        finally:
+            state.lengths = held
+
+    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
+        v, device = self.verifier, self.verifier.device
+        rows, nodes = len(trees), max(len(tree) for tree in trees)
+        lengths = self.lengths
+        ids = torch.zeros((rows, nodes), dtype=torch.long)
+        positions = torch.zeros((rows, nodes), dtype=torch.long)
+        for row, tree in enumerate(trees):
+            ids[row, : len(tree)] = torch.tensor(tree.tokens)
+            ids[row, len(tree):] = tree.tokens[0]
+            positions[row, : len(tree)] = torch.tensor(tree.depths) + lengths[row]
+            positions[row, len(tree):] = lengths[row]
+        self.slots.begin_pass(nodes, device)
+        mask = self._masks(trees, nodes)
+        linear = v.kernels.using(v.kernel_of(rows * nodes))
+        attention = v.tree_attention if v.tree_attention is not None else nullcontext()
+        with linear, attention, indexed_windows(v.layout, mask) as model_mask:
+            return v.forward(ids.to(device), positions.to(device), model_mask, nodes, cache=self.slots.cache,
+                             batched=True)
+
+    def _masks(self, trees: list[DraftTree], nodes: int) -> Any:
+        """Each row's masks (``racer.engine.windows``), placed in a padded
+        (rows, 1, nodes, span) tensor per mask the model takes; padding nodes see only
+        themselves."""
+        v, span = self.verifier, self.slots.state.span
+        lowest = torch.finfo(v.dtype).min
+        padded: dict[str, torch.Tensor] = {}
+        for row, tree in enumerate(trees):
+            length, size = self.lengths[row], len(tree)
+            depths = torch.tensor(tree.depths, dtype=torch.long, device=v.device)
+            ancestors = torch.from_numpy(tree.ancestor_mask()).to(v.device)
+            seen = v.layout.visible(length, depths, ancestors, max(tree.depths))
+            for key, allowed in (seen.items() if isinstance(seen, dict) else [("", seen)]):
+                if key not in padded:
+                    padded[key] = torch.full((len(trees), 1, nodes, span), lowest, dtype=v.dtype, device=v.device)
+                padded[key][row, 0, :size, : length + size].masked_fill_(allowed, 0)
+                pads = torch.arange(size, nodes, device=v.device)
+                padded[key][row, 0, pads, length + pads] = 0
+        return padded[""] if "" in padded else padded
