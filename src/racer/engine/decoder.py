@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from racer.budget import Budget
 from racer.drafting import Drafter, Method
 from racer.engine.calibration import announce_on_stderr
 from racer.engine.loop import BatchDecoder, resolve_method
@@ -13,7 +12,10 @@ from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions
 from racer.engine.results import GenerationResult
 from racer.engine.stopping import visible_text
-from racer.engine.verifier import TreeVerifier
+
+
+def _of_engine(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.engine, name), doc=doc)
 
 
 class _Own:
@@ -46,29 +48,15 @@ class Decoder:
         self._scope = _Own()
 
     # What callers read of the engine's set-up.
-    @property
-    def method(self) -> Method:
-        return self.engine.method
+    method = _of_engine("method", "The draft method and its capacity.")
+    facts = _of_engine("facts", "The model's facts (``ModelFacts``).")
+    verifier = _of_engine("verifier", "The engine's ``TreeVerifier``, which holds the request's KV.")
+    cost = _of_engine("cost", "The step-cost curve the engine learns on.")
+    budget = _of_engine("budget", "How much of each candidate tree a step verifies.")
 
     @property
     def drafter(self) -> Drafter:
         return self.engine.method.drafter
-
-    @property
-    def facts(self) -> ModelFacts:
-        return self.engine.facts
-
-    @property
-    def verifier(self) -> TreeVerifier:
-        return self.engine.verifier
-
-    @property
-    def cost(self) -> Any:
-        return self.engine.cost
-
-    @property
-    def budget(self) -> Budget:
-        return self.engine.budget
 
     @property
     def acceptance(self) -> Any:

@@ -138,9 +138,8 @@ class BatchDecoder:
         self.end_ids = end_token_ids(self.facts.end_ids, tokenizer)
         self.needs = self.method.drafter.needs
         # Attached now, so that a drafter that cannot serve this model (a datastore of
-        # another tokenizer) is refused here; it is the first request's drafter.
+        # another tokenizer) is refused here, not at the first request.
         self.method.drafter.attach(tokenizer, set(self.end_ids))
-        self._spare: Drafter | None = self.method.drafter
         self.memory = DrafterMemory(self._new_drafter, self.method.auto,
                                     4 * max_batch if memory_limit is None else memory_limit)
         self.cost: Any = None
@@ -165,9 +164,8 @@ class BatchDecoder:
         return engine
 
     def _new_drafter(self) -> Drafter:
-        if self._spare is not None or not isinstance(self.spec, str):
-            drafter, self._spare = self.method.drafter, None
-            return drafter
+        if not isinstance(self.spec, str):  # one drafter serves every request
+            return self.method.drafter
         drafter = resolve_method(self.spec).drafter
         drafter.attach(self.tokenizer, set(self.end_ids))
         return drafter
