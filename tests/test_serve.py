@@ -276,7 +276,13 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server):
         # The headers announce 5 MB; only the first bytes are sent: the answer comes anyway.
         raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000000\r\n\r\n{\"model\"")
-        head, _, body = raw.recv(65536).decode().partition("\r\n\r\n")
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):  # the head and body may come apart
+            more = raw.recv(65536)
+            if not more:
+                break
+            answer += more
+        head, _, body = answer.decode().partition("\r\n\r\n")
     assert head.startswith("HTTP/1.1 413")
     assert json.loads(body)["error"]["code"] == "request_too_large"
     assert get(server, "/health").status_code == 200
@@ -401,6 +407,31 @@ def test_racers_extension_says_which_source_drafted_each_run_of_text(server, alo
 
     plain = _post(server, "/v1/chat/completions", {**body, "racer": False}).json()
     assert "racer" not in plain and plain["choices"][0]["message"]["content"] == text
+
+
+def test_streamed_text_is_the_decode_of_its_tokens_across_split_characters_and_stops(client, real):
+    """Text streamed as tokens come (decoded incrementally in the API process) is exactly
+    ``tokenizer.decode`` of the answer's tokens, cut before a stop string of several
+    tokens, where characters are split over byte-level tokens."""
+    _, tokenizer = real
+    prompt = ("Japanese: こんにちは世界。Chinese: 你好，世界。Emoji: 🚀🎉👩‍💻.\n"
+              "Japanese: こんにちは世界。Chinese: 你好，世界。Emoji: 🚀🎉👩‍💻.\nJapanese:")
+    whole = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, temperature=0, max_tokens=40,
+                                      extra_body={"racer": True})
+    ids = whole.model_extra["racer"]["completion_token_ids"]
+    decoded = tokenizer.decode(ids, skip_special_tokens=True)
+    assert whole.choices[0].text == decoded
+    assert any("\ufffd" in tokenizer.decode([token]) for token in ids)  # characters split over tokens
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, temperature=0, max_tokens=40,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == decoded
+    # A stop string of several tokens, from the middle of the answer.
+    middle = len(decoded) // 2
+    stop = decoded[middle : middle + 4]
+    assert len(tokenizer(stop, add_special_tokens=False)["input_ids"]) >= 2
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, temperature=0, max_tokens=40,
+                                         stream=True, stop=[stop])
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == decoded[: decoded.index(stop)]
 
 
 def test_the_chat_page_and_its_files_are_served_with_nothing_from_elsewhere(server):

@@ -201,11 +201,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_torch(threads: int | None) -> int:
-    import torch
+    from racer.loading import use_threads
 
-    n = threads or default_threads()
-    torch.set_num_threads(n)
-    return n
+    return use_threads(threads or default_threads())
 
 
 def _cmd_methods(args: argparse.Namespace) -> int:
@@ -434,11 +432,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue: expected 0 or more, got {args.max_queue}")
-    _setup_torch(args.threads)
+    threads = _setup_torch(args.threads)
     serve(args.model, method=args.method, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
           max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
           default_max_tokens=args.default_max_tokens, grace=args.grace, memory_scope=args.memory_scope,
-          max_body=args.max_body)
+          max_body=args.max_body, threads=threads)
     return 0
 
 

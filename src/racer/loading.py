@@ -320,3 +320,15 @@ def load_model(
         model = model.to(device)
     model.eval()
     return model, tokenizer
+
+
+def use_threads(threads: int | None = None) -> int:
+    """Give torch ``threads`` CPU threads (default: every core this process may run on,
+    never the load of the moment: the thread count is part of the cost table's key, so
+    a load-dependent default would calibrate afresh whenever the machine is busy).
+    Returns the number set."""
+    import torch
+
+    n = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    torch.set_num_threads(n)
+    return n

@@ -37,6 +37,7 @@ class Load:
     nodes: float | None = None  # verified nodes per request per pass (a racer server's /metrics)
     per_pass: float | None = None  # tokens emitted per request per target pass (/metrics of racer or vLLM)
     accepted_length: float | None = None  # vLLM's mean acceptance length: 1 + accepted / drafts
+    seconds_by_part: dict[str, float] = field(default_factory=dict)  # a racer server's (bench.prometheus)
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,8 +140,12 @@ def merge_rounds(loads: Sequence[Load]) -> list[Load]:
             values = [getattr(l, what) for l in same if getattr(l, what) is not None]
             return statistics.mean(values) if values else None
 
+        parts: dict[str, float] = {}
+        for load in same:
+            for part, seconds in load.seconds_by_part.items():
+                parts[part] = parts.get(part, 0.0) + seconds
         merged.append(Load(key[0], key[1], sum(l.seconds for l in same), [o for l in same for o in l.outcomes],
-                           rate, mean("nodes"), mean("per_pass"), mean("accepted_length")))
+                           rate, mean("nodes"), mean("per_pass"), mean("accepted_length"), parts))
     return merged
 
 

@@ -19,18 +19,38 @@ def counters(port: int) -> dict[str, float]:
     return parse_counters(text)
 
 
+# racer's counters of seconds by part: also kept per part, as "<name>:<part>".
+SECONDS_BY_PART = ("racer_engine_seconds_total", "racer_api_seconds_total")
+
+
 def parse_counters(text: str) -> dict[str, float]:
     """Prometheus text: every ``racer_*_total`` and ``vllm:*_total`` counter, summed over
-    its label sets."""
+    its label sets (and racer's seconds also by part)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         sample, _, value = line.rpartition(" ")
-        name = sample.partition("{")[0]
+        name, _, labels = sample.partition("{")
         if name.startswith(("racer_", "vllm:")) and name.endswith("_total"):
             try:
-                out[name] = out.get(name, 0.0) + float(value)
+                number = float(value)
             except ValueError:
-                pass
+                continue
+            out[name] = out.get(name, 0.0) + number
+            if name in SECONDS_BY_PART and labels.startswith('part="'):
+                key = f"{name}:{labels[6:].partition(chr(34))[0]}"
+                out[key] = out.get(key, 0.0) + number
+    return out
+
+
+def seconds_by_part(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where a racer server's time went between two scrapes: ``engine.<part>`` and
+    ``api.<part>`` seconds (empty for a server without these counters)."""
+    out = {}
+    for key, value in after.items():
+        name, _, part = key.partition(":")
+        if part and name in SECONDS_BY_PART:
+            side = "engine" if name == SECONDS_BY_PART[0] else "api"
+            out[f"{side}.{part}"] = value - before.get(key, 0.0)
     return out
 
 

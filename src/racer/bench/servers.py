@@ -151,10 +151,37 @@ def vllm_server(method: str, port: int, python: str, folder_of_model: str, name:
     return ServerProcess(f"vllm {method}", command, port, name, folder / f"server-vllm-{method}.log", env)
 
 
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as stat:
+                    parent = int(stat.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        out += children
+        todo += children
+    return out
+
+
 def resident_mib(pid: int) -> float:
-    """A process's resident memory (Linux: /proc/PID/status VmRSS), MiB."""
-    with open(f"/proc/{pid}/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    """A server's resident memory, its child processes' included (racer serve's engine
+    runs in one): Linux's /proc/PID/status VmRSS, MiB."""
+    total, found = 0.0, False
+    for process in [pid, *_descendants(pid)]:
+        try:
+            with open(f"/proc/{process}/status", encoding="ascii") as status:
+                for line in status:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) / 1024
+                        found = True
+        except OSError:
+            continue
+    if not found:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    return total

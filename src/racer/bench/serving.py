@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from racer.bench.clients import Load, merge_rounds, prompt_pool, run_load, same_answers, stream_chat
-from racer.bench.prometheus import counters, nodes_per_pass, tokens_per_pass
+from racer.bench.prometheus import counters, nodes_per_pass, seconds_by_part, tokens_per_pass
 from racer.bench.servers import (ServerProcess, free_port, racer_server, resident_mib, transformers_server,
                                  vllm_server, vllm_speculative_config)
 
@@ -114,6 +114,7 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                         after = counters(server.port)
                         load.nodes = nodes_per_pass(before, after)
                         load.per_pass, load.accepted_length = tokens_per_pass(before, after)
+                        load.seconds_by_part = seconds_by_part(before, after)
                     finally:
                         if fresh:
                             server.stop()
@@ -136,10 +137,15 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
               "failures": failures,
               "loads": [{"server": l.server, "concurrency": l.concurrency, "seconds": l.seconds, "nodes": l.nodes,
                          "per_pass": l.per_pass, "accepted_length": l.accepted_length,
+                         "seconds_by_part": l.seconds_by_part,
                          "outcomes": [asdict(o) for o in l.outcomes]} for l in loads]}
     (out / "serve.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     merged = merge_rounds(loads)
     print(table(merged, baseline))
+    if any(load.seconds_by_part for load in merged):
+        print("\nWhere a racer server's time went (share of the load's wall time; engine and API are\n"
+              "separate processes, so each side's shares add up to its own 100%):\n")
+        print(breakdown(merged))
     for server_name, why in failures.items():
         print(f"\n{server_name}: not measured: {why}")
     if merged:
@@ -165,6 +171,28 @@ def table(loads: Sequence[Load], baseline: str) -> str:
                      f"{load.percentile('latency', 0.5):.1f} / {load.percentile('latency', 0.99):.1f} | "
                      f"{figure(load.per_pass)} | {figure(load.accepted_length)} | {figure(load.nodes)} | "
                      f"{same.get((load.server, load.concurrency), '-')} | {load.errors} |")
+    return "\n".join(lines)
+
+
+ENGINE_PARTS = ("verify", "draft", "prefill", "emit", "finish", "hand_off", "idle")
+API_PARTS = ("prepare", "detokenize", "respond")
+
+
+def breakdown(loads: Sequence[Load]) -> str:
+    """The markdown table of a racer server's seconds by part, as shares of each load's
+    wall time: the engine core's (``other``: its loop outside the parts, or its process
+    descheduled) and the API side's work on requests."""
+    lines = ["| C | server | " + " | ".join(ENGINE_PARTS) + " | other | API: " + " | ".join(API_PARTS) + " |",
+             "|---|---|" + "---|" * (len(ENGINE_PARTS) + 1 + len(API_PARTS))]
+    for load in sorted(loads, key=lambda l: l.concurrency):
+        parts = load.seconds_by_part
+        if not parts or not load.seconds:
+            continue
+        share = lambda key: 100 * parts.get(key, 0.0) / load.seconds  # noqa: E731
+        engine = [share(f"engine.{p}") for p in ENGINE_PARTS]
+        other = max(100 - sum(engine), 0.0)
+        lines.append(f"| {load.concurrency} | {load.server} | " + " | ".join(f"{v:.1f}%" for v in engine)
+                     + f" | {other:.1f}% | " + " | ".join(f"{share(f'api.{p}'):.1f}%" for p in API_PARTS) + " |")
     return "\n".join(lines)
 
 

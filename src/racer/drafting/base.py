@@ -26,9 +26,10 @@ class Needs:
 
     ``topk``: how many top ids per position (0: none). ``at``: of which verified nodes,
     "tree" (every node) or "last" (only the last accepted one, all a drafter driven by
-    the last logits needs). ``prompt``: also at every prompt position after prefill
-    (costs the full-vocabulary logits over the prompt once per request); without it, a
-    drafter with ``topk`` sees one row, the prediction after the whole prompt."""
+    the last logits needs). ``prompt``: also at the prompt's positions after prefill
+    (its last ones: the full-vocabulary logits cost a pass's LM head per position);
+    without it, a drafter with ``topk`` sees one row, the prediction after the whole
+    prompt."""
 
     topk: int = 0
     at: str = "tree"
@@ -62,9 +63,11 @@ class Drafter(ABC):
         tokenizer check it here."""
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        """A new request. ``prompt_topk[i]`` are the top ids predicted after
-        ``prompt[: i + 1]`` with ``needs.prompt``; otherwise one row, the prediction
-        after the whole prompt; None when ``needs.topk`` is 0."""
+        """A new request. With ``needs.prompt``, ``prompt_topk`` holds the top ids
+        predicted at the prompt's last positions (the engine's ``prompt_window`` of them,
+        or all): row ``i`` after ``prompt[: len(prompt) - len(prompt_topk) + i + 1]``;
+        otherwise one row, the prediction after the whole prompt; None when
+        ``needs.topk`` is 0."""
 
     @abstractmethod
     def draft(self, root: int, budget: int) -> DraftTree:

@@ -82,7 +82,7 @@ class RacerDrafter(Drafter):
         if self.use_retrieval:
             self.automaton.start(self._context)
         if prompt_topk is not None:
-            self.table.write(self._context, prompt_topk)
+            self.table.write(self._context[len(self._context) - len(prompt_topk) :], prompt_topk)
             self._last_row = tuple(prompt_topk[-1].tolist())
 
     def _candidates(self, token: int) -> tuple[int, ...]:

@@ -55,7 +55,7 @@ class TokenRecyclingDrafter(Drafter):
         if self.memory == "fresh":
             self.table = CopyLogitTable(TEMPLATE_WIDTH)
         if self.prefill and prompt_topk is not None:
-            self.table.write(list(prompt), prompt_topk)
+            self.table.write(list(prompt)[len(prompt) - len(prompt_topk) :], prompt_topk)
 
     def draft(self, root: int, budget: int) -> DraftTree:
         builder = TreeBuilder(root, budget)

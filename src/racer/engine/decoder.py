@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterator
 
 from racer.drafting import Drafter, Method
 from racer.engine.calibration import announce_on_stderr
-from racer.engine.loop import BatchDecoder, resolve_method
+from racer.engine.loop import BatchDecoder, PROMPT_WINDOW, resolve_method
 from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions
 from racer.engine.results import GenerationResult
@@ -38,12 +38,12 @@ class Decoder:
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "none", *,
                  capacity: int | str | None = None, cost: Any = None, check: bool = True,
-                 fast_paths: Any = True) -> None:
+                 fast_paths: Any = True, prompt_window: int = PROMPT_WINDOW) -> None:
         # One drafter serves every request, so the method is resolved once, here; the
         # whole prompt is prefilled in one pass.
         self.engine = BatchDecoder(model, tokenizer, resolve_method(method, capacity), max_batch=1,
                                    prefill_chunk=ModelFacts.of(model).max_positions, cost=cost, check=check,
-                                   fast_paths=fast_paths, memory_limit=1)
+                                   fast_paths=fast_paths, memory_limit=1, prompt_window=prompt_window)
         self.model, self.tokenizer = model, tokenizer
         self._scope = _Own()
 

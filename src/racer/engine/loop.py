@@ -43,6 +43,9 @@ from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import FastPaths
 
 
+PROMPT_WINDOW = 64  # prompt positions whose predictions a drafter with Needs.prompt sees
+
+
 def top_ids(logits: torch.Tensor, k: int) -> np.ndarray:
     """The ``k`` most likely token ids of each row, as a host array."""
     return to_host(torch.topk(logits, k, dim=-1).indices)
@@ -112,14 +115,27 @@ class BatchDecoder:
     ``4 x max_batch``); ``fast_paths``: ``False`` verifies with the model's own code
     only, or a ``FastPaths`` switches each fast path on its own; ``check``: self-test tree
     verification on this model first (and, the first time a request's context reaches
-    one of its attention windows, past its windows)."""
+    one of its attention windows, past its windows). ``detokenize``: False leaves every
+    result's ``text`` empty, for a caller that decodes the tokens where it answers (a
+    server's API process). ``prompt_window``: a drafter that reads the model's
+    predictions over the prompt (``Needs.prompt``) gets them at the prompt's last
+    ``prompt_window`` positions (0: at every one, the LM head over the whole prompt).
+
+    ``seconds`` adds up, over the engine's life, where its steps spent their time:
+    ``prefill`` (prompt chunks and the first token), ``draft`` (proposing, choosing,
+    the drafters' and acceptance models' updates), ``verify`` (the pass, reading it,
+    acceptance, keeping the accepted KV), ``emit`` (stop checks and results) and
+    ``finish`` (ending requests, their text included)."""
 
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "racer", *,
                  max_batch: int = 8, prefill_chunk: int = 512, capacity: int | str | None = None, cost: Any = None,
-                 check: bool = True, fast_paths: bool | FastPaths = True, memory_limit: int | None = None) -> None:
+                 check: bool = True, fast_paths: bool | FastPaths = True, memory_limit: int | None = None,
+                 detokenize: bool = True, prompt_window: int = PROMPT_WINDOW) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if isinstance(prompt_window, bool) or not isinstance(prompt_window, int) or prompt_window < 0:
+            raise ValueError(f"prompt_window: expected 0 (every position) or a positive integer, got {prompt_window!r}")
         if not isinstance(method, str) and max_batch > 1:
             raise ValueError(f"method: a {type(method).__name__} drafts for one request at a time; pass a method "
                              "spec such as 'racer:capacity=16' for max_batch > 1")
@@ -127,6 +143,8 @@ class BatchDecoder:
         self.spec, self.capacity = method, capacity
         self.method: Method = resolve_method(method, capacity)  # checks the spec once
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.detokenize, self.prompt_window = detokenize, prompt_window
+        self.seconds = dict.fromkeys(("prefill", "draft", "verify", "emit", "finish"), 0.0)
         self.facts = ModelFacts.of(model)
         self.fast_paths = FastPaths.of(fast_paths).on(self.facts.device.type)
         if check:
@@ -159,7 +177,8 @@ class BatchDecoder:
         drafters (no self-test again)."""
         engine = BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
                               prefill_chunk=self.prefill_chunk, capacity=self.capacity, cost=self.cost, check=False,
-                              fast_paths=self.fast_paths, memory_limit=self.memory.pool.limit)
+                              fast_paths=self.fast_paths, memory_limit=self.memory.pool.limit,
+                              detokenize=self.detokenize, prompt_window=self.prompt_window)
         engine.memory = self.memory
         return engine
 
@@ -214,7 +233,7 @@ class BatchDecoder:
 
     # -- requests -------------------------------------------------------------------
     def submit(self, prompt: Any, options: GenerationOptions | None = None, *, scope: Hashable | None = None,
-               result: GenerationResult | None = None, **fields: Any) -> int:
+               result: GenerationResult | None = None, request_id: int | None = None, **fields: Any) -> int:
         """Queue a request (text, chat messages or token ids); returns its id. Options
         come as a ``GenerationOptions`` and/or as its fields by keyword.
 
@@ -223,18 +242,24 @@ class BatchDecoder:
         and hands it back when it ends; None: a drafter of its own, dropped after.
         ``result``: where the request's tokens and statistics go as it decodes (emptied
         first; ``self.result`` hands it back at the end), for a caller that shows them
-        as they come."""
+        as they come. ``request_id``: the id to give it (a caller's own key; not one in
+        flight or unclaimed), else the next free one."""
         started = time.perf_counter()
+        if request_id is not None:
+            if isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+                raise ValueError(f"request_id: expected a non-negative integer, got {request_id!r}")
+            if request_id in self._finished or request_id in self.in_flight:
+                raise ValueError(f"request_id: {request_id} is in flight or its result is unclaimed")
         options = GenerationOptions.of(options, fields)
         ids = request_ids(self.tokenizer, prompt, options, self.verifier.max_positions)
         if result is None:
             result = GenerationResult.empty(len(ids))
         else:
             result.restart(len(ids))
-        request = _Request(self._next_id, ids, options, TokenChooser(options, self.verifier.device),
+        request = _Request(self._next_id if request_id is None else request_id, ids, options, TokenChooser(options, self.verifier.device),
                            Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens),
                            result, scope, started)
-        self._next_id += 1
+        self._next_id = max(self._next_id, request.id) + 1
         self._waiting.append(request)
         return request.id
 
@@ -250,6 +275,11 @@ class BatchDecoder:
         if request not in self._finished:
             raise KeyError(f"request: {request} has not finished (or its result was taken)")
         return self._finished.pop(request).result
+
+    @property
+    def in_flight(self) -> list[int]:
+        """The ids of the requests waiting or decoding."""
+        return [r.id for r in self._waiting + self._active]
 
     @property
     def busy(self) -> bool:
@@ -276,9 +306,12 @@ class BatchDecoder:
         return [self.result(i) for i in ids]
 
     # -- one step -------------------------------------------------------------------
-    def step(self) -> list[Update]:
+    def step(self, early: Callable[[list[Update]], None] | None = None) -> list[Update]:
         """One prefill chunk for the first waiting request (if a row is free), then one
-        pass over the decoding ones. Returns what each request emitted."""
+        pass over the decoding ones. Returns what each request emitted. ``early``: told
+        what the prefill emitted (a request's first token) before the pass over the
+        decoding requests, so that the first token need not wait for it; those updates
+        are then left out of what ``step`` returns."""
         if not self._calibrated:
             self.calibrate()
         updates: list[Update] = []
@@ -289,6 +322,9 @@ class BatchDecoder:
             updates.append(Update(request.id, [], True))
         if self._waiting and len(self._active) < self.max_batch:
             self._prefill_chunk(self._waiting[0], updates)
+            if early is not None and updates:
+                early(updates)
+                updates = []
         if self._active:
             self._verify(updates)
         if self._unsaved and not self.busy:
@@ -307,18 +343,24 @@ class BatchDecoder:
             request.verifier = self.rows.prefill_verifier()
         verifier, ids = request.verifier, request.ids
         take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
+        # The drafter's prompt rows come from the prompt's last ``prompt_window`` positions
+        # only: the LM head over a whole long prompt would hold up the first token.
+        window = self.prompt_window if self.needs.prompt else 1
         if request.prefilled == 0:
-            logits = verifier.prefill(take, all_logits=self.needs.prompt)
+            logits = verifier.prefill(take, keep=window)
         else:
             logits = verifier.verify(chain(take[0], take[1:]))
             verifier.commit(list(range(len(take))), len(take))
         request.prefilled += len(take)
-        request.logits.append(logits if self.needs.prompt else logits[-1:])
+        request.logits.append(logits)
+        if window:
+            request.logits = [torch.cat(request.logits)[-window:]]
         if request.prefilled < len(ids):
             request.result.prefill_s += time.perf_counter() - start
+            self.seconds["prefill"] += time.perf_counter() - start
             return
         self._waiting.remove(request)
-        logits = torch.cat(request.logits) if self.needs.prompt else request.logits[-1]
+        logits = torch.cat(request.logits)
         root = request.chooser.first(logits[-1:], ids)
         request.session = self.memory.begin(request.scope, ids, top_ids(logits, self.needs.topk)
                                             if self.needs.topk else None)
@@ -330,6 +372,7 @@ class BatchDecoder:
         request.result.extend(cut.tokens, ["none"], 0)
         full = verifier.cached + 1 >= self.verifier.max_positions
         updates.append(Update(request.id, cut.tokens, cut.done or full, ["none"] * len(cut.tokens), 0, 0))
+        self.seconds["prefill"] += time.perf_counter() - start
         if cut.done or full:
             self._finish(request, request.stopper.reason if cut.done else "context")
 
@@ -372,6 +415,9 @@ class BatchDecoder:
         step_s = time.perf_counter() - start
         draft_s = step_s - pass_s
         budget.observe(StepTiming(trees, lengths, pass_s, step_s, draft_s if drafting else None))
+        self.seconds["draft"] += draft_s
+        self.seconds["verify"] += pass_s
+        emitting = time.perf_counter()
         ended = []
         for request, tree, (path, following, _), size in zip(list(self._active), trees, accepted, candidates):
             request.result.steps.append(StepStats(len(tree), len(path) - 1, draft_s, pass_s, size))
@@ -384,6 +430,7 @@ class BatchDecoder:
             updates.append(Update(request.id, cut.tokens, cut.done or full, sources, len(request.result.steps),
                                   len(tree)))
         self._unsaved = True
+        self.seconds["emit"] += time.perf_counter() - emitting
         for request, reason in ended:  # after the loop: releasing a row moves another
             self._finish(request, reason)
 
@@ -413,6 +460,7 @@ class BatchDecoder:
         return chosen, topk
 
     def _finish(self, request: _Request, reason: str) -> None:
+        start = time.perf_counter()
         if request in self._active:
             moved = self.rows.release(request.row)
             self._active.remove(request)
@@ -426,5 +474,7 @@ class BatchDecoder:
             result.drafter_stats = self.memory.end(request.session)
             request.session = None
         result.wall_s = time.perf_counter() - request.started
-        result.text = answer_text(self.tokenizer, result.tokens, request.options.stop)
+        if self.detokenize:
+            result.text = answer_text(self.tokenizer, result.tokens, request.options.stop)
         self._finished[request.id] = request
+        self.seconds["finish"] += time.perf_counter() - start

@@ -8,6 +8,7 @@ from bisect import bisect_right
 from typing import Any, Sequence
 
 from racer.drafting.tree import DraftTree, source_name
+from racer.engine.detokenize import Detokenizer
 
 
 def accepted_sources(tree: DraftTree, path: Sequence[int]) -> list[str]:
@@ -20,35 +21,47 @@ def accepted_sources(tree: DraftTree, path: Sequence[int]) -> list[str]:
 class TokenSpans:
     """Emitted tokens with their provenance, as character ranges of the decoded text.
 
-    ``add`` takes tokens as a pass emits them; ``spans(start, end)`` describes the
-    characters ``start:end`` of ``text`` as runs ``[length, source, step]``: each
-    character is tinted by the token whose decoding completed it (a character split
-    over several tokens belongs to the last of them)."""
+    ``add`` takes tokens as a pass emits them (decoded incrementally, in time linear in
+    the answer's length: ``racer.engine.detokenize``), ``finish`` the end of the answer;
+    ``spans(start, end)`` describes the characters ``start:end`` of ``text`` as runs
+    ``[length, source, step]``: each character is tinted by the token whose decoding
+    completed it (a character split over several tokens belongs to the last of them)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
         self.tokens: list[int] = []
         self.sources: list[str] = []
         self.steps: list[int] = []
         self.ends: list[int] = []  # after token i, the decoded text is stable up to ends[i]
-        self.text = ""
 
-    def add(self, tokens: Sequence[int], sources: Sequence[str], step: int | Sequence[int]) -> None:
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    def add(self, tokens: Sequence[int], sources: Sequence[str], step: int | Sequence[int]) -> str:
+        """Append a pass's tokens; returns the text they complete."""
+        before = len(self.text)
         for i, token in enumerate(tokens):
             self.tokens.append(int(token))
             self.sources.append(sources[i] if i < len(sources) else "none")
             self.steps.append(step if isinstance(step, int) else int(step[i]))
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            # A trailing replacement character is a character still missing bytes.
-            stable = len(text) - 1 if text.endswith("\ufffd") else len(text)
-            self.ends.append(max(stable, self.ends[-1] if self.ends else 0))
-            self.text = text
+            self.detokenizer.add([token])
+            self.ends.append(len(self.text))
+        return self.text[before:]
+
+    def finish(self) -> str:
+        """The answer is complete: the text still held back (its last token's)."""
+        piece = self.detokenizer.finish()
+        if self.ends:
+            self.ends[-1] = len(self.text)
+        return piece
 
     @classmethod
     def of(cls, tokenizer: Any, result: Any) -> "TokenSpans":
         """The spans of a finished ``GenerationResult``."""
         spans = cls(tokenizer)
         spans.add(result.tokens, result.token_sources, result.token_steps)
+        spans.finish()
         return spans
 
     def pieces(self) -> list[str]:

@@ -96,15 +96,15 @@ class TreeVerifier:
         """A new request's KV cache (``racer.fastpaths.kvcache.growing_cache``)."""
         return growing_cache(model.config, growing)
 
-    def prefill(self, ids: Sequence[int], all_logits: bool = False) -> torch.Tensor:
-        """Start a request: cache ``ids`` and return the logits at the last position
-        (or at every position when ``all_logits``), shape (L or 1, vocab)."""
+    def prefill(self, ids: Sequence[int], keep: int = 1) -> torch.Tensor:
+        """Start a request: cache ``ids`` and return the logits at the last ``keep``
+        positions (0: every position), shape (keep or L, vocab)."""
         self.cache = self.empty_cache(self.model, self.fast_paths.growing_cache)
         self.cached = 0
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
-        logits = self.forward(tensor, positions, None, 0 if all_logits else 1)
+        logits = self.forward(tensor, positions, None, keep if 0 < keep < n else 0)
         self.cached = n
         return logits
 

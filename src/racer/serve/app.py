@@ -1,7 +1,8 @@
 """The HTTP side of ``racer serve``: OpenAI's routes on Starlette (through FastAPI),
-served by uvicorn. Handlers check a request (``racer.serve.protocol``), hand it to the
-decoding thread (``racer.serve.worker``) and answer from what comes back, whole or as
-server-sent events.
+served by uvicorn. Handlers check a request (``racer.serve.protocol``), hand its token
+ids to the engine core (``racer.serve.core_client``) and answer from the events that
+come back, whole or as server-sent events: detokenising, stop strings and JSON happen
+here, never in the decoding loop.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Res
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
-from racer import GenerationOptions, TokenSpans, chat_template_takes, encode_prompt, visible_text
+from racer import Detokenizer, GenerationOptions, StopText, TokenSpans, chat_template_takes, encode_prompt
 from racer.serve import protocol
-from racer.serve.worker import DecodingThread, QueueFull, asyncio_sink
+from racer.serve.core_client import CoreClient, EngineGone, QueueFull
+from racer.serve.events import Event, Failed, Finished, Tokens
 from racer.serve.metrics import Metrics
 
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -44,17 +46,17 @@ def route_label(path: str) -> str:
 
 
 class Served:
-    """What the routes need: the decoding thread, the model's name and context, the tokenizer,
+    """What the routes need: the engine core, the model's name and context, the tokenizer,
     and whose requests share drafter memory (``memory_scope``: ``request`` none,
     ``server`` all, ``user`` those with the same ``user`` field; without one, none);
     ``method``: the draft method, as ``/health`` tells the chat page."""
 
-    def __init__(self, worker: DecodingThread, name: str, tokenizer: Any, context: int, api_key: str | None,
+    def __init__(self, core: CoreClient, name: str, tokenizer: Any, context: int, api_key: str | None,
                  default_max_tokens: int, metrics: Metrics, memory_scope: str = "server", method: str = "",
                  max_body: int = MAX_BODY) -> None:
         if memory_scope not in MEMORY_SCOPES:
             raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
-        self.worker, self.name, self.tokenizer, self.context = worker, name, tokenizer, context
+        self.core, self.name, self.tokenizer, self.context = core, name, tokenizer, context
         self.api_key, self.default_max_tokens, self.metrics = api_key, default_max_tokens, metrics
         self.memory_scope = memory_scope
         self.method = method
@@ -134,7 +136,7 @@ def create_app(served: Served) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.worker.held,
+        return {"status": "ok", "model": served.name, "method": served.method, "in_flight": served.core.held,
                 "api_key_required": bool(served.api_key)}
 
     @app.get("/")
@@ -201,9 +203,6 @@ def prepare(served: Served, kind: str, raw: bytes) -> Prepared:
         ids = encode_prompt(served.tokenizer, request.prompt, request.chat, tools=request.tools)
     except ValueError as err:
         raise protocol.bad("messages" if request.chat else "prompt", str(err)) from err
-    if len(ids) >= served.context:
-        raise protocol.ApiError(400, f"the prompt has {len(ids)} tokens; this model's context is {served.context}",
-                                param="messages" if request.chat else "prompt", code="context_length_exceeded")
     return Prepared(request, ids, _options(served, request, len(ids)))
 
 
@@ -215,7 +214,11 @@ async def _client_gone(http: HttpRequest) -> None:
 
 
 def _options(served: Served, request: protocol.Request, prompt_tokens: int) -> GenerationOptions:
+    """The engine's options; the one check that the prompt and its answer fit the context."""
     room = served.context - prompt_tokens
+    if room <= 0:
+        raise protocol.ApiError(400, f"the prompt has {prompt_tokens} tokens; this model's context is {served.context}",
+                                param="messages" if request.chat else "prompt", code="context_length_exceeded")
     if request.max_tokens is not None and request.max_tokens > room:
         raise protocol.ApiError(400, f"max_tokens: the prompt's {prompt_tokens} tokens and max_tokens="
                                 f"{request.max_tokens} exceed the model's context of {served.context} tokens",
@@ -227,20 +230,34 @@ def _options(served: Served, request: protocol.Request, prompt_tokens: int) -> G
                              top_p=request.top_p, seed=request.seed)
 
 
+def sink(loop: asyncio.AbstractEventLoop) -> tuple["asyncio.Queue[Event]", Any]:
+    """A queue on ``loop``, and the function the core's reader calls to put an event in it."""
+    box: "asyncio.Queue[Event]" = asyncio.Queue()
+
+    def deliver(event: Event) -> None:
+        loop.call_soon_threadsafe(box.put_nowait, event)
+
+    return box, deliver
+
+
 async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
     raw = await read_body(http.stream(), http.headers.get("content-length"), served.max_body)
     loop = asyncio.get_running_loop()
+    timed = time.perf_counter()
     prepared = await loop.run_in_executor(served.preparer, prepare, served, kind, raw)
+    served.metrics.api("prepare", time.perf_counter() - timed)
     request, ids, options = prepared.request, prepared.ids, prepared.options
-    box, deliver = asyncio_sink(loop)
+    box, deliver = sink(loop)
     try:
-        ticket = served.worker.submit(ids, options, deliver, served.scope(request))
+        key = served.core.submit(ids, options, deliver, served.scope(request))
     except QueueFull as err:
         raise protocol.ApiError(429, f"the server is busy: {err}; retry shortly", code="rate_limit_exceeded",
                                 kind="rate_limit_error", headers={"Retry-After": "1"}) from err
+    except EngineGone as err:
+        raise protocol.ApiError(503, f"the server cannot decode: {err}", kind="server_error") from err
     started = time.perf_counter()
     if request.stream:
-        return StreamingResponse(_stream(served, request, ids, box, ticket, started), media_type="text/event-stream")
+        return StreamingResponse(_stream(served, request, ids, box, key, started), media_type="text/event-stream")
     # A whole answer: the client may give up (a timeout) while it waits or decodes, and
     # then its row is freed at the next step rather than decoded to max_tokens.
     collecting, gone = asyncio.ensure_future(_collect(box)), asyncio.ensure_future(_client_gone(http))
@@ -248,32 +265,44 @@ async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
         await asyncio.wait({collecting, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not collecting.done():
-            served.worker.cancel(ticket)
+            served.core.cancel(key)
             collecting.cancel()
         gone.cancel()
     if not collecting.done() or collecting.cancelled():
         return Response(status_code=499)  # nobody is there to read it; counted as such in /metrics
     result = collecting.result()
-    text, finish = result.text, _FINISH.get(result.stop_reason, "stop")  # the engine's text stops before a stop
+    timed = time.perf_counter()
+    if request.racer_stats:
+        spans = TokenSpans.of(served.tokenizer, result)
+        text = StopText(request.stop).add(spans.text, final=True)
+        stats = _stats(result, spans.spans(0, len(text)))
+    else:
+        text = StopText(request.stop).add(served.tokenizer.decode(result.tokens, skip_special_tokens=True), final=True)
+        stats = None
+    result.text = text
+    served.metrics.api("detokenize", time.perf_counter() - timed)
     served.metrics.finished(result, time.perf_counter() - started)
-    stats = _stats(result, TokenSpans.of(served.tokenizer, result).spans(0, len(text))) if request.racer_stats else None
-    return protocol.response(request, served.name, text, finish, protocol.usage(len(ids), len(result.tokens)), stats)
+    return protocol.response(request, served.name, text, _FINISH.get(result.stop_reason, "stop"),
+                             protocol.usage(len(ids), len(result.tokens)), stats)
 
 
-async def _collect(box: "asyncio.Queue[tuple]") -> Any:
+def _ended(event: Event) -> Any:
+    """A request's last event as its result, or the error it answers with."""
+    if isinstance(event, Failed):
+        raise protocol.ApiError(400 if event.refused else 500,
+                                f"the request failed while decoding: {event.message}",
+                                kind="invalid_request_error" if event.refused else "server_error")
+    if event.result.stop_reason == "cancelled":
+        raise protocol.ApiError(503, "the request was cancelled (the server is shutting down)", kind="server_error")
+    return event.result
+
+
+async def _collect(box: "asyncio.Queue[Event]") -> Any:
     """A whole request's result, once it is done (its tokens arrive with it)."""
     while True:
-        what, value = await box.get()
-        if what == "tokens":
-            continue
-        if what == "done":
-            return value
-        if what == "error":
-            raise protocol.ApiError(500, f"the request failed while decoding: {type(value).__name__}: {value}",
-                                    kind="server_error")
-        else:
-            raise protocol.ApiError(503, "the request was cancelled (the server is shutting down)",
-                                    kind="server_error")
+        event = await box.get()
+        if isinstance(event, (Finished, Failed)):
+            return _ended(event)
 
 
 def _stats(result: Any, spans: list | None) -> dict:
@@ -293,54 +322,61 @@ def _sse(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-async def _stream(served: Served, request: protocol.Request, ids: list[int], box: "asyncio.Queue[tuple]",
-                  ticket: Any, started: float) -> AsyncIterator[bytes]:
-    """Chunks as tokens are accepted; text that might begin a stop string, or end in part
-    of a character, is held back until the next tokens decide it. With racer's
-    extension each chunk also says which source drafted its text (runs ``[characters,
-    source, step]``) and which steps (``[step, nodes verified, tokens, of
-    which drafted]``) emitted tokens since the last chunk."""
-    tokens: list[int] = []
-    shown = ""
+async def _stream(served: Served, request: protocol.Request, ids: list[int], box: "asyncio.Queue[Event]",
+                  key: int, started: float) -> AsyncIterator[bytes]:
+    """Chunks as tokens are accepted, their text decoded incrementally; text that might
+    begin a stop string, or ends in part of a character, is held back until the next
+    tokens decide it. With racer's extension each chunk also says which source drafted
+    its text (runs ``[characters, source, step]``) and which steps (``[step, nodes
+    verified, tokens, of which drafted]``) emitted tokens since the last chunk."""
     result = None
     spans = TokenSpans(served.tokenizer) if request.racer_stats else None
+    text = spans if spans is not None else Detokenizer(served.tokenizer)
+    visible = StopText(request.stop)
     passes: list[list[int]] = []
+    metrics = served.metrics
     try:
         if request.kind == "chat":
             yield _sse(protocol.chunk(request, served.name, None, None, first=True))
         while result is None:
-            what, value = await box.get()
-            if what == "tokens":
-                tokens.extend(value.tokens)
+            event = await box.get()
+            timed = time.perf_counter()
+            if isinstance(event, Tokens):
                 if spans is not None:
-                    spans.add(value.tokens, value.sources, value.step)
-                    drafted = sum(source != "none" for source in value.sources)
-                    passes.append([value.step, value.tree_size, len(value.tokens), drafted])
-            elif what == "done":
-                result = value
-                tokens = list(value.tokens)
+                    piece = spans.add(event.tokens, event.sources, event.step)
+                    drafted = sum(source != "none" for source in event.sources)
+                    passes.append([event.step, event.tree_size, len(event.tokens), drafted])
+                else:
+                    piece = text.add(event.tokens)
+                shown = len(visible.shown)
+                out = visible.add(piece)
             else:
-                message = "the request failed while decoding" if what == "error" else "the request was cancelled"
-                yield _sse({"error": {"message": f"{message}: {value}", "type": "server_error", "param": None,
-                                      "code": None}})
-                return
-            # The spans decode the same tokens already: one decoding an update, not two.
-            text = spans.text if spans is not None else served.tokenizer.decode(tokens, skip_special_tokens=True)
-            text = visible_text(text, request.stop, final=result is not None)
-            if len(text) > len(shown) and text.startswith(shown):
+                try:
+                    result = _ended(event)
+                except protocol.ApiError as err:
+                    message = "the request was cancelled" if isinstance(event, Finished) else err.message
+                    yield _sse({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+                    return
+                shown = len(visible.shown)
+                out = visible.add(text.finish(), final=True)
+            metrics.api("detokenize", time.perf_counter() - timed)
+            if out:
+                timed = time.perf_counter()
                 extension = None
                 if spans is not None:
-                    extension, passes = {"spans": spans.spans(len(shown), len(text)), "steps": passes}, []
-                yield _sse(protocol.chunk(request, served.name, text[len(shown):], None, racer=extension))
-                shown = text
+                    extension, passes = {"spans": spans.spans(shown, len(visible.shown)), "steps": passes}, []
+                chunk = _sse(protocol.chunk(request, served.name, out, None, racer=extension))
+                metrics.api("respond", time.perf_counter() - timed)
+                yield chunk
+        result.text = visible.shown
         finish = _FINISH.get(result.stop_reason, "stop")
         extension = {"spans": [], "steps": passes} if spans is not None else None
         yield _sse(protocol.chunk(request, served.name, None, finish, racer=extension))
-        served.metrics.finished(result, time.perf_counter() - started)
+        metrics.finished(result, time.perf_counter() - started)
         if request.include_usage:
             stats = _stats(result, spans.spans(0, len(result.text))) if spans is not None else None
             yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens)), stats))
         yield b"data: [DONE]\n\n"
     finally:
         if result is None:  # the client went away (or the request failed): free its row
-            served.worker.cancel(ticket)
+            served.core.cancel(key)

@@ -13,7 +13,10 @@ from racer.serve.protocol import draft_counts
 class Metrics:
     """Requests by route and status, queue length and batch size, completion tokens,
     passes and draft tokens proposed, verified and accepted (tokens/s and MAT are their
-    rates and ratios), and request latency."""
+    rates and ratios), request latency, and where the time goes: the engine's seconds by
+    part (``racer.serve.events.Stepped``) and the API side's (``prepare``: parsing,
+    templating, tokenizing; ``detokenize``: text and stop strings; ``respond``: the
+    chunks' JSON)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -31,14 +34,23 @@ class Metrics:
         self.accepted = Counter("racer_draft_tokens_accepted", "draft tokens accepted", registry=r)
         self.latency = Histogram("racer_request_seconds", "request latency", registry=r,
                                  buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120))
+        self.engine_seconds = Counter("racer_engine_seconds", "the engine core's time, by part", ["part"], registry=r)
+        self.api_seconds = Counter("racer_api_seconds", "the API side's time on requests, by part", ["part"],
+                                   registry=r)
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
 
-    def step(self, active: int, waiting: int, updates: list, idle: int = 0) -> None:
-        self.batch.set(active)
-        self.queue.set(waiting)
-        self.idle.set(idle)
+    def step(self, step: Any) -> None:
+        """A ``Stepped`` event."""
+        self.batch.set(step.active)
+        self.queue.set(step.waiting)
+        self.idle.set(step.idle_drafters)
+        for part, seconds in step.seconds.items():
+            self.engine_seconds.labels(part=part).inc(max(seconds, 0.0))
+
+    def api(self, part: str, seconds: float) -> None:
+        self.api_seconds.labels(part=part).inc(seconds)
 
     def finished(self, result: Any, seconds: float) -> None:
         self.tokens.inc(len(result.tokens))

@@ -1,6 +1,7 @@
-"""Starting and stopping the server: the model, the decoder, the decoding thread and
-uvicorn; SIGTERM (or Ctrl-C) stops accepting, lets streams in flight finish for up to
-``grace`` seconds, ends the rest and exits."""
+"""Starting and stopping the server: the tokenizer, the engine core's process (which
+loads the model and decodes) and uvicorn; SIGTERM (or Ctrl-C) stops accepting, lets
+streams in flight finish for up to ``grace`` seconds, ends the rest, stops the engine
+and exits."""
 
 from __future__ import annotations
 
@@ -12,18 +13,20 @@ from typing import Any, Callable
 
 import racer
 from racer.serve.app import MAX_BODY, MEMORY_SCOPES, Served, create_app
-from racer.serve.worker import DecodingThread
+from racer.serve.core import EngineSpec
+from racer.serve.core_client import CoreClient
 from racer.serve.metrics import Metrics
 
 
 def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = "float32", device: str | None = None,
           host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 32,
           api_key: str | None = None, default_max_tokens: int = 1024, prefill_chunk: int = 512,
-          grace: float = 10.0, memory_scope: str = "server", max_body: int = MAX_BODY,
+          grace: float = 10.0, memory_scope: str = "server", max_body: int = MAX_BODY, threads: int | None = None,
           announce: Callable[[str], None] | None = None) -> None:
     """Serve ``model_name`` (default: the embedded model) with ``method`` until stopped.
     The port is taken first, so that a busy one is said at once, not after the model
-    has loaded; it accepts connections once the model is loaded and timed."""
+    has loaded; it accepts connections once the model is loaded and timed. ``threads``:
+    torch's threads in the engine process (default: torch's)."""
     import uvicorn
 
     say = announce or (lambda text: print(f"racer serve: {text}", file=sys.stderr, flush=True))
@@ -37,20 +40,13 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     racer.parse_method(method)  # a bad spec fails before the model loads
     listener = bind(host, port)
 
-    def build() -> racer.BatchDecoder:  # on the decoding thread: one OpenMP team (serve/worker.py)
-        say(f"loading {model_name or racer.DEFAULT_MODEL} ({dtype}); the port opens when it is ready")
-        model, tokenizer = racer.load_model(model_name, dtype=dtype, device=device, announce=say)
-        decoder = racer.BatchDecoder(model, tokenizer, method, max_batch=max_batch, prefill_chunk=prefill_chunk)
-        decoder.calibrate(announce=say)
-        return decoder
-
-    metrics = Metrics()
-    worker = DecodingThread(build, max_queue, on_step=metrics.step)
-    decoder = worker.wait_ready()
-    tokenizer = decoder.tokenizer
     name = model_name or racer.DEFAULT_MODEL
-    context = decoder.facts.max_positions
-    served = Served(worker, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
+    tokenizer = racer.load_tokenizer(model_name, announce=say)  # first: the embedded model is converted once
+    metrics = Metrics()
+    spec = EngineSpec(model_name, method, dtype, device, max_batch, prefill_chunk, threads)
+    core = CoreClient.in_process(spec, max_queue, on_step=metrics.step)
+    context = core.wait_ready().context
+    served = Served(core, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
                     max_body)
     app = create_app(served)
 
@@ -59,7 +55,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
         say(f"serving {name} with {method} on http://{host}:{port} (max batch {max_batch}, queue {max_queue}, "
             f"drafter memory per {memory_scope})")
         yield
-        worker.stop(grace=0.0)  # uvicorn has already waited out the grace for open streams
+        core.stop(grace=0.0)  # uvicorn has already waited out the grace for open streams
         say("stopped")
 
     app.router.lifespan_context = lifespan

@@ -1,5 +1,6 @@
-"""The server's decoding thread and its protocol checks, without HTTP: a failing step
-fails its requests and the thread goes on; the queue bound; cancellation; stop."""
+"""The server's engine core and the API side's handle on it, without HTTP: events flow
+and the registry empties; a failing step fails its requests and the core goes on; the
+queue bound; cancellation; the core in a process of its own; the protocol's checks."""
 
 from __future__ import annotations
 
@@ -11,74 +12,130 @@ import pytest
 from conftest import make_tiny_llama
 from racer import BatchDecoder, GenerationOptions
 from racer.serve import protocol
-from racer.serve.worker import DecodingThread, QueueFull
+from racer.serve.core import EngineSpec
+from racer.serve.core_client import CoreClient, QueueFull
+from racer.serve.events import Failed, Finished, Stepped, Tokens
 
 
 def sink():
-    box: "queue.Queue[tuple]" = queue.Queue()
+    box: "queue.Queue" = queue.Queue()
     return box, box.put
 
 
-def drain(box, timeout: float = 60) -> list[tuple]:
+def drain(box, timeout: float = 60) -> list:
     out = []
     while True:
-        item = box.get(timeout=timeout)
-        out.append(item)
-        if item[0] != "tokens":
+        event = box.get(timeout=timeout)
+        out.append(event)
+        if not isinstance(event, Tokens):
             return out
 
 
+def wait_empty(core, seconds: float = 5) -> None:
+    deadline = time.monotonic() + seconds
+    while core.held and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.fixture()
-def worker():
+def core():
+    steps = []
     decoder = BatchDecoder(make_tiny_llama(), None, "pld", max_batch=2)
-    running = DecodingThread(decoder, max_queue=1)
+    running = CoreClient.in_thread(decoder, max_queue=1, on_step=steps.append)
+    running.steps = steps
     yield running
     running.stop(grace=5)
 
 
-def test_requests_flow_through_the_thread(worker):
+def test_requests_flow_through_the_core(core):
     box, deliver = sink()
-    worker.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
-    items = drain(box)
-    assert items[-1][0] == "done" and len(items[-1][1].tokens) == 12
-    assert sum((value.tokens for what, value in items if what == "tokens"), []) == items[-1][1].tokens
-    deadline = time.monotonic() + 5
-    while worker.held and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert worker.held == 0
+    core.submit([5, 17, 42, 8, 5, 17], GenerationOptions(max_new_tokens=12), deliver)
+    events = drain(box)
+    assert isinstance(events[-1], Finished) and len(events[-1].result.tokens) == 12
+    assert sum((e.tokens for e in events if isinstance(e, Tokens)), []) == events[-1].result.tokens
+    wait_empty(core)
+    assert core.held == 0
+    assert core.steps and all(isinstance(s, Stepped) for s in core.steps)
+    parts = set().union(*(s.seconds for s in core.steps))
+    assert {"prefill", "draft", "verify", "emit", "finish", "hand_off", "idle"} <= parts
+    assert sum(s.seconds["verify"] for s in core.steps) > 0
 
 
-def test_a_failing_step_fails_its_requests_and_the_thread_goes_on(worker, monkeypatch):
-    real_step = worker.decoder.step
+def test_a_failing_step_fails_its_requests_and_the_core_goes_on(core, monkeypatch):
+    real_step = core.core.decoder.step
     calls = []
 
-    def failing_step():
+    def failing_step(**kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("a drafter broke")
-        return real_step()
+        return real_step(**kwargs)
 
-    monkeypatch.setattr(worker.decoder, "step", failing_step)
+    monkeypatch.setattr(core.core.decoder, "step", failing_step)
     box, deliver = sink()
-    worker.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=40), deliver)
-    items = drain(box)
-    assert items[-1][0] == "error" and "a drafter broke" in str(items[-1][1])
+    core.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=40), deliver)
+    events = drain(box)
+    assert isinstance(events[-1], Failed) and "a drafter broke" in events[-1].message and not events[-1].refused
     box, deliver = sink()  # the next request is served by a fresh decoder
-    worker.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=6), deliver)
-    assert drain(box)[-1][0] == "done"
+    core.submit([5, 17, 42, 8], GenerationOptions(max_new_tokens=6), deliver)
+    assert isinstance(drain(box)[-1], Finished)
 
 
-def test_the_queue_bound_refuses_the_excess(worker):
+def test_a_prompt_the_engine_refuses_fails_as_the_clients_fault(core):
+    box, deliver = sink()
+    core.submit([5] * 100_000, GenerationOptions(max_new_tokens=2), deliver)
+    event = drain(box)[-1]
+    assert isinstance(event, Failed) and event.refused and "context window" in event.message
+
+
+def test_the_queue_bound_refuses_the_excess(core):
     held = []
-    for _ in range(worker.capacity):
+    for _ in range(core.capacity):
         box, deliver = sink()
-        held.append((box, worker.submit([5, 17, 42], GenerationOptions(max_new_tokens=200), deliver)))
+        held.append((box, core.submit([5, 17, 42], GenerationOptions(max_new_tokens=200), deliver)))
     with pytest.raises(QueueFull, match="in flight or queued"):
-        worker.submit([5, 17, 42], GenerationOptions(max_new_tokens=2), sink()[1])
-    for box, ticket in held:
-        worker.cancel(ticket)
+        core.submit([5, 17, 42], GenerationOptions(max_new_tokens=2), sink()[1])
+    for box, key in held:
+        core.cancel(key)
     for box, _ in held:
-        assert drain(box)[-1][0] in ("done", "cancelled")
+        last = drain(box)[-1]
+        assert isinstance(last, Finished) and last.result.stop_reason in ("cancelled", "length")
+
+
+def test_stopping_cancels_what_is_in_flight_and_refuses_more(core):
+    box, deliver = sink()
+    core.submit([5, 17, 42], GenerationOptions(max_new_tokens=100_000 // 100), deliver)
+    core.stop(grace=0)
+    last = drain(box)[-1]
+    assert isinstance(last, Finished) and last.result.stop_reason in ("cancelled", "length")
+    with pytest.raises(QueueFull, match="shutting down"):
+        core.submit([5, 17], GenerationOptions(max_new_tokens=2), sink()[1])
+
+
+def test_the_core_in_its_own_process_decodes_what_it_decodes_alone(real):
+    """racer serve's layout: the engine in a spawned process, token ids both ways."""
+    model, tokenizer = real
+    prompt = tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    alone = BatchDecoder(model, tokenizer, "racer", max_batch=1).generate_all([prompt], max_new_tokens=24)[0]
+    steps = []
+    core = CoreClient.in_process(EngineSpec(None, "racer", max_batch=2, threads=1), max_queue=2,
+                                 on_step=steps.append)
+    try:
+        assert core.wait_ready(timeout=600).context == model.config.max_position_embeddings
+        boxes = [sink() for _ in range(2)]
+        for box, deliver in boxes:
+            core.submit(prompt, GenerationOptions(max_new_tokens=24), deliver)
+        for box, _ in boxes:
+            events = drain(box, timeout=300)
+            assert isinstance(events[-1], Finished) and events[-1].result.tokens == alone.tokens
+            assert events[-1].result.text == ""  # the API side decodes
+            assert sum((e.tokens for e in events if isinstance(e, Tokens)), []) == alone.tokens
+        assert steps and steps[-1].seconds["verify"] > 0
+    finally:
+        core.stop(grace=5)
+    assert core.held == 0
+    with pytest.raises(QueueFull, match="shutting down"):
+        core.submit(prompt, GenerationOptions(max_new_tokens=2), sink()[1])
 
 
 @pytest.mark.parametrize("body, param", [
