@@ -506,6 +506,55 @@ def test_sigterm_during_a_stream_finishes_or_ends_it_and_exits(real):
     assert received[0].startswith(b"data: ")
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rpartition(")")[2].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as cmdline:
+            return cmdline.read()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads the process tree from /proc")
+def test_a_killed_server_leaves_no_engine_process_behind(real):
+    """The engine runs in a child process; killing the API process (SIGKILL: no
+    shutdown runs) while the engine is still loading ends the engine too."""
+    process = subprocess.Popen([sys.executable, "-m", "racer.cli", "serve", "--port", str(free_port()),
+                                "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    engines: list[int] = []
+    while not engines and time.monotonic() < deadline:
+        time.sleep(0.2)
+        engines = [p for p in _children(process.pid) if "spawn_main" in _cmdline(p)]
+    assert engines, "no engine process was started"
+    process.kill()
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in engines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in engines)
+
+
 def test_sampling_through_the_server_is_exactly_distributed(server, real):
     """The first two tokens of 300 seeded requests, 4 at a time, against the model's own
     distribution (temperature 0.6, top_p 0.6: six outcomes): Pearson's chi-square."""

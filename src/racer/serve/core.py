@@ -14,8 +14,10 @@ small CPU one team's regions run much slower once another thread's team exists
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -131,12 +133,25 @@ class EngineSpec:
         return decoder
 
 
+def _end_with(parent: int) -> None:
+    """End this process as soon as ``parent`` is gone, even mid-load or mid-step (a
+    killed API process must not leave an engine behind, calibrating or decoding)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="racer-parent-watch", daemon=True).start()
+
+
 def run_engine_process(spec: EngineSpec, commands: Any, events: Any) -> None:
     """The engine process: build the engine, say ``Ready`` (or ``BuildFailed``), then run
     the core until told to stop or until the API process is gone (its end of the pipe
     closes). Signals are the API process's to handle: it drains, then sends ``Stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_with(os.getppid())
     if spec.threads:
         from racer import use_threads
 
