@@ -5,7 +5,7 @@ method (C requests in flight, the next submitted as one ends: what C clients tha
 send one request after another give an engine, with no HTTP). The servers' time
 breakdown (bench.prometheus.seconds_by_part) is kept where a server has one.
 
-    python serve_ab.py BEFORE_SRC AFTER_SRC OUT_FOLDER [ROUNDS]
+    python serve_ab.py BEFORE_SRC AFTER_SRC OUT_FOLDER [ROUNDS [C,C,... [MAX_TOKENS]]]
 
 BEFORE_SRC and AFTER_SRC are the ``src`` folders of two worktrees, run with this Python
 (its venv has racer's dependencies); every server gets ``--max-batch 8 --threads 2``,
@@ -24,7 +24,8 @@ PY = sys.executable
 SRC = {"before": sys.argv[1], "after": sys.argv[2]}
 out = Path(sys.argv[3]); out.mkdir(parents=True, exist_ok=True)
 ROUNDS = int(sys.argv[4]) if len(sys.argv) > 4 else 2
-CONCURRENCY = (1, 4, 8)
+CONCURRENCY = tuple(int(c) for c in sys.argv[5].split(",")) if len(sys.argv) > 5 else (1, 4, 8)
+MAX_TOKENS = int(sys.argv[6]) if len(sys.argv) > 6 else 256
 tok = racer.load_tokenizer(None)
 count = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -36,7 +37,7 @@ def in_process(engine, prompts, c):
     start = time.perf_counter()
     def submit():
         messages = [{"role": "user", "content": pending.pop(0)}]
-        submitted[engine.submit(messages, chat=True, max_new_tokens=256)] = time.perf_counter()
+        submitted[engine.submit(messages, chat=True, max_new_tokens=MAX_TOKENS)] = time.perf_counter()
     while pending and len(submitted) < c:
         submit()
     while engine.busy:
@@ -74,7 +75,7 @@ try:
     taken = 0
     for rnd in range(ROUNDS):
         for c in CONCURRENCY:
-            n = max(2 * c, 4)
+            n = max(c, 4)
             prompts = [pool[(taken + k) % len(pool)] for k in range(n)]
             taken += n
             order = list(servers) + list(engines)
@@ -90,7 +91,7 @@ try:
                 s.resume()
                 try:
                     before = counters(s.port)
-                    load = run_load(name, "127.0.0.1", s.port, s.model, prompts, c, 256, count)
+                    load = run_load(name, "127.0.0.1", s.port, s.model, prompts, c, MAX_TOKENS, count)
                     parts = seconds_by_part(before, counters(s.port))
                 finally:
                     s.pause()
