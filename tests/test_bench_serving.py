@@ -11,9 +11,9 @@ import time
 import pytest
 
 from racer.bench.clients import Load, Outcome, merge_rounds
-from racer.bench.prometheus import parse_counters, tokens_per_pass
+from racer.bench.prometheus import parse_counters, seconds_by_part, tokens_per_pass
 from racer.bench.servers import VLLM_METHODS, ServerProcess, vllm_server, vllm_speculative_config
-from racer.bench.serving import table
+from racer.bench.serving import breakdown, table
 
 # Lines as vLLM 0.32's /metrics writes them (labels, _created samples beside _total).
 VLLM_METRICS = """\
@@ -142,3 +142,21 @@ def test_the_table_compares_with_the_baseline_and_shows_vllms_figures():
     assert text[2].startswith("| 1 | racer serve --method racer | 100.0 | 2.00x |") and "| 2.50 | - | 4.00 |" in text[2]
     assert text[4].startswith("| 1 | vllm racer | 80.0 | 1.60x |") and "| 2.00 | 2.40 | - | 1/1 |" in text[4]
 
+
+
+def test_a_racer_servers_seconds_by_part_become_shares_of_the_loads_wall_time():
+    def scrape(verify: float, detokenize: float) -> dict:
+        return parse_counters(
+            'racer_engine_seconds_total{part="verify"} %s\nracer_engine_seconds_total{part="draft"} 1.0\n'
+            'racer_api_seconds_total{part="detokenize"} %s\nracer_requests_total{route="/",status="200"} 3\n'
+            % (verify, detokenize))
+
+    parts = seconds_by_part(scrape(10.0, 0.5), scrape(16.0, 0.7))
+    assert parts == pytest.approx({"engine.verify": 6.0, "engine.draft": 0.0, "api.detokenize": 0.2})
+    assert scrape(1, 2)["racer_engine_seconds_total"] == 2.0  # summed over parts too
+    load = Load("racer serve --method racer", 4, 10.0, [], seconds_by_part=parts)
+    lines = breakdown([load, Load("vllm none", 4, 10.0, [])]).splitlines()
+    assert len(lines) == 3  # the head, its rule and the racer server: vLLM has no parts
+    cells = [c.strip() for c in lines[2].split("|")[1:-1]]
+    assert cells[:4] == ["4", "racer serve --method racer", "60.0%", "0.0%"]
+    assert cells[-4] == "40.0%" and cells[-2] == "2.0%"  # idle/other; the API's detokenize

@@ -273,3 +273,43 @@ def test_the_decoder_runs_the_batch_engine_with_one_row(tiny, monkeypatch):
     # The decoder's drafter and acceptance model serve its next request too.
     pool = decoder.engine.memory.pool
     assert decoder.engine.idle_drafters == 1 and decoder.drafter is pool.peek(next(iter(pool.scopes())))[0]
+
+
+class PromptRows(Drafter):
+    """Records the prompt rows the engine hands over (``Needs.prompt``)."""
+
+    name = "prompt-rows"
+    needs = Needs(topk=3, prompt=True)
+    candidates = 1
+
+    def begin(self, prompt, prompt_topk):
+        self.prompt, self.rows = list(prompt), prompt_topk
+
+    def draft(self, root, budget):
+        return TreeBuilder(root, budget).build()
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 10_000])
+def test_a_prompt_window_hands_the_drafter_the_prompts_last_rows(window):
+    """Row i of ``prompt_topk`` is the prediction after the prompt's first
+    ``len(prompt) - rows + i + 1`` tokens, for the last ``window`` positions (0: all),
+    whether the prompt is prefilled in one pass or in chunks."""
+    import torch
+
+    from conftest import make_tiny_llama
+    from racer import BatchDecoder
+
+    model = make_tiny_llama()
+    prompt = [5, 17, 42, 8, 5, 17, 9, 3, 21, 7, 14]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0]
+    expected = torch.topk(logits, 3, dim=-1).indices.numpy()
+    for chunk in (64, 4):
+        drafter = PromptRows()
+        engine = BatchDecoder(model, None, drafter, max_batch=1, prefill_chunk=chunk, prompt_window=window)
+        engine.generate_all([prompt], max_new_tokens=2)
+        rows = len(prompt) if window in (0, 10_000) else window
+        assert drafter.rows.shape == (rows, 3)
+        assert (drafter.rows == expected[len(prompt) - rows :]).all()
+    with pytest.raises(ValueError, match="prompt_window"):
+        BatchDecoder(model, None, "none", prompt_window=-1)

@@ -174,15 +174,15 @@ def table(loads: Sequence[Load], baseline: str) -> str:
     return "\n".join(lines)
 
 
-ENGINE_PARTS = ("verify", "draft", "prefill", "emit", "finish", "hand_off", "idle")
+ENGINE_PARTS = ("verify", "draft", "prefill", "emit", "finish", "hand_off")
 API_PARTS = ("prepare", "detokenize", "respond")
 
 
 def breakdown(loads: Sequence[Load]) -> str:
     """The markdown table of a racer server's seconds by part, as shares of each load's
-    wall time: the engine core's (``other``: its loop outside the parts, or its process
-    descheduled) and the API side's work on requests."""
-    lines = ["| C | server | " + " | ".join(ENGINE_PARTS) + " | other | API: " + " | ".join(API_PARTS) + " |",
+    wall time: the engine core's (``idle/other``: waiting for work, its loop outside the
+    parts, or its process descheduled) and the API side's work on requests."""
+    lines = ["| C | server | " + " | ".join(ENGINE_PARTS) + " | idle/other | API: " + " | ".join(API_PARTS) + " |",
              "|---|---|" + "---|" * (len(ENGINE_PARTS) + 1 + len(API_PARTS))]
     for load in sorted(loads, key=lambda l: l.concurrency):
         parts = load.seconds_by_part

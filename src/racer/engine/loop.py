@@ -43,7 +43,7 @@ from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import FastPaths
 
 
-PROMPT_WINDOW = 64  # prompt positions whose predictions a drafter with Needs.prompt sees
+PROMPT_WINDOW = 0  # prompt positions whose predictions a drafter with Needs.prompt sees (0: all)
 
 
 def top_ids(logits: torch.Tensor, k: int) -> np.ndarray:
@@ -343,8 +343,8 @@ class BatchDecoder:
             request.verifier = self.rows.prefill_verifier()
         verifier, ids = request.verifier, request.ids
         take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
-        # The drafter's prompt rows come from the prompt's last ``prompt_window`` positions
-        # only: the LM head over a whole long prompt would hold up the first token.
+        # A ``prompt_window`` keeps the drafter's prompt rows to the prompt's last positions,
+        # so that the LM head over a long prompt does not hold up the first token.
         window = self.prompt_window if self.needs.prompt else 1
         if request.prefilled == 0:
             logits = verifier.prefill(take, keep=window)

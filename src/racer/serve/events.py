@@ -69,7 +69,7 @@ class Failed:
 class Stepped:
     """One step happened: the batch's state after it, and the seconds the engine spent
     since the last ``Stepped``, by part (``BatchDecoder.seconds``, plus ``hand_off``:
-    reading commands and sending events, and ``idle``: waiting for work)."""
+    reading commands and sending events; waiting for work is what they leave)."""
 
     active: int
     waiting: int
