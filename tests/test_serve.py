@@ -549,7 +549,7 @@ def test_a_killed_server_leaves_no_engine_process_behind(real):
     assert engines, "no engine process was started"
     process.kill()
     process.wait(timeout=30)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 90  # a loaded machine may take long to import torch in it
     while any(_alive(p) for p in engines) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in engines)

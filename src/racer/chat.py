@@ -116,6 +116,8 @@ class Chat:
         if new > 0:
             start = len(spans.tokens)
             spans.add(result.tokens[start:], result.token_sources[start:], result.token_steps[start:])
+        if final:
+            spans.finish()  # the text held back for the answer's last token
         end = len(spans.text) if final else (spans.ends[-1] if spans.ends else 0)
         if end <= shown:
             return shown

@@ -146,13 +146,15 @@ def _end_with(parent: int) -> None:
     threading.Thread(target=watch, name="racer-parent-watch", daemon=True).start()
 
 
-def run_engine_process(spec: EngineSpec, commands: Any, events: Any) -> None:
+def run_engine_process(spec: EngineSpec, commands: Any, events: Any, parent: int) -> None:
     """The engine process: build the engine, say ``Ready`` (or ``BuildFailed``), then run
     the core until told to stop or until the API process is gone (its end of the pipe
-    closes). Signals are the API process's to handle: it drains, then sends ``Stop``."""
+    closes, or ``parent``, its pid, is no longer this process's parent: it may have died
+    before this process got here). Signals are the API process's to handle: it drains,
+    then sends ``Stop``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _end_with(os.getppid())
+    _end_with(parent)
     if spec.threads:
         from racer import use_threads
 

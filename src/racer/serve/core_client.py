@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -60,7 +61,7 @@ class CoreClient:
         context = multiprocessing.get_context("spawn")
         commands_out, commands_in = context.Pipe(duplex=False)
         events_out, events_in = context.Pipe(duplex=False)
-        process = context.Process(target=run_engine_process, args=(spec, commands_out, events_in),
+        process = context.Process(target=run_engine_process, args=(spec, commands_out, events_in, os.getpid()),
                                   name="racer-engine", daemon=True)
         process.start()
         commands_out.close()
