@@ -62,15 +62,15 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 def visible_text(text: str, stops: Sequence[str], final: bool) -> str:
     """What of a growing answer's ``text`` can be shown now: everything before a stop
     string; before the end, also not a trailing partial character (its other bytes are
-    still to come) nor a tail that may be the start of a stop string."""
-    cut, stopped = cut_at_stop(text, stops)
-    if final or stopped:
-        return cut
-    if cut.endswith("\ufffd"):
-        cut = cut[:-1]
-    hold = max((n for s in stops for n in range(min(len(s) - 1, len(cut)), 0, -1) if cut.endswith(s[:n])),
-               default=0)
-    return cut[: len(cut) - hold]
+    still to come) nor a tail that may be the start of a stop string (``StopText``, for
+    a text that is not re-decoded whole each time)."""
+    from racer.engine.detokenize import StopText
+
+    if not final and text.endswith("\ufffd"):
+        found = [text.find(s) for s in stops if s and s in text]
+        if not found:
+            text = text[:-1]
+    return StopText(stops).add(text, final=final)
 
 
 def answer_text(tokenizer: Any, tokens: Sequence[int], stops: Sequence[str]) -> str:
