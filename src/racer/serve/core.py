@@ -40,25 +40,25 @@ class EngineCore:
         self.decoder = decoder
         self._stopping = False
         self._last = dict(decoder.seconds)
-        self._own = {"hand_off": 0.0}
+        self._hand_off = 0.0  # reading commands and sending events, since the last Stepped
         self._send: Send = lambda events: None
 
     def run(self, receive: Receive, send: Send) -> None:
+        self._send = send
         while not (self._stopping and not self.decoder.busy):
             started, busy = time.perf_counter(), self.decoder.busy
             commands = receive(not busy)
             if busy:  # waiting for work is not counted: it is what the other parts leave of the wall time
-                self._own["hand_off"] += time.perf_counter() - started
+                self._hand_off += time.perf_counter() - started
             refused = self._take(commands)
             if refused:
                 send(refused)
             if not self.decoder.busy:
                 continue
-            self._send = send
             events = self._step()
             sending = time.perf_counter()
             send(events)
-            self._own["hand_off"] += time.perf_counter() - sending
+            self._hand_off += time.perf_counter() - sending
 
     def _take(self, commands: list[Command]) -> list[Event]:
         refused: list[Event] = []
@@ -91,8 +91,7 @@ class EngineCore:
             return failed
         seconds = {part: value - self._last.get(part, 0.0) for part, value in decoder.seconds.items()}
         self._last = dict(decoder.seconds)
-        seconds.update(self._own)
-        self._own = dict.fromkeys(self._own, 0.0)
+        seconds["hand_off"], self._hand_off = self._hand_off, 0.0
         return [Stepped(decoder.active, decoder.waiting, decoder.idle_drafters, seconds), *self._events(updates)]
 
     def _events(self, updates: list[Any]) -> list[Event]:
@@ -108,7 +107,7 @@ class EngineCore:
         """A first token goes out as soon as its prefill computed it."""
         sending = time.perf_counter()
         self._send(self._events(updates))
-        self._own["hand_off"] += time.perf_counter() - sending
+        self._hand_off += time.perf_counter() - sending
 
 
 @dataclass

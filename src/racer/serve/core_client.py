@@ -48,7 +48,6 @@ class CoreClient:
         self._lock = threading.Lock()
         self._stopping = False
         self._gone: str | None = None
-        self._ended = threading.Event()
         self._join: Callable[[float], None] = lambda timeout: None
 
     # -- building -------------------------------------------------------------------
