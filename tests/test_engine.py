@@ -313,3 +313,62 @@ def test_a_prompt_window_hands_the_drafter_the_prompts_last_rows(window):
         assert (drafter.rows == expected[len(prompt) - rows :]).all()
     with pytest.raises(ValueError, match="prompt_window"):
         BatchDecoder(model, None, "none", prompt_window=-1)
+
+
+def _prompt_tables(engine, prompts, max_new_tokens=2):
+    """The ``prompt_topk`` each prompt's drafter began with, and (prompt ids, answer)
+    pairs."""
+    tables, begin, prompt_ids = [], engine.memory.begin, []
+
+    def spy(scope, ids, prompt_topk):
+        tables.append(prompt_topk)
+        prompt_ids.append(list(ids))
+        return begin(scope, ids, prompt_topk)
+
+    engine.memory.begin = spy
+    answers = [r.tokens for r in engine.generate_all(prompts, max_new_tokens=max_new_tokens)]
+    return tables, list(zip(prompt_ids, answers))
+
+
+def test_a_model_whose_head_is_not_its_output_embeddings_gets_its_own_logits_over_the_prompt():
+    """The LM head after the first token is checked on the first prompt against the
+    model's own last logits; where they disagree, that prompt's drafter sees one row and
+    every later prompt gets the model's own logits at every position."""
+    import torch
+
+    from conftest import make_tiny_llama
+    from racer import BatchDecoder
+
+    model = make_tiny_llama()
+    prompts = [[5, 17, 42, 8, 5, 17, 9, 3, 21, 7, 14], [3, 9, 27, 81, 5, 17, 42]]
+    with torch.no_grad():
+        expected = [torch.topk(model(torch.tensor([p])).logits[0], 3, dim=-1).indices.numpy() for p in prompts]
+    trusted, _ = _prompt_tables(BatchDecoder(model, None, PromptRows(), max_batch=1), prompts)
+    assert all(t.shape == (len(p), 3) and (t == e).all() for t, p, e in zip(trusted, prompts, expected))
+
+    wrong = torch.nn.Linear(64, 97, bias=False)
+    model.get_output_embeddings = lambda: wrong
+    engine = BatchDecoder(model, None, PromptRows(), max_batch=1)
+    (first, second), _ = _prompt_tables(engine, prompts)
+    assert engine.prompt_head.trusted is False
+    assert first.shape == (1, 3) and (first == expected[0][-1:]).all()
+    assert second.shape == (len(prompts[1]), 3) and (second == expected[1]).all()
+
+
+def test_the_prompts_predictions_after_the_first_token_are_those_of_the_prefill_pass(real):
+    """On the embedded model, racer's copy-logit table from the LM head run after the
+    first token has left is the one the prefill pass itself gives, position by position,
+    and the answers are plain greedy decoding's."""
+    from conftest import hf_greedy, lossless_questions
+    from racer import BatchDecoder
+
+    model, tokenizer = real
+    prompts = [q.prompt for q in lossless_questions()[:4]]
+    after, answers = _prompt_tables(BatchDecoder(model, tokenizer, "racer", max_batch=1, check=False), prompts, 8)
+    in_pass = BatchDecoder(model, tokenizer, "racer", max_batch=1, check=False)
+    in_pass.prompt_head.trusted = False
+    during, _ = _prompt_tables(in_pass, prompts, 8)
+    assert all(a.shape == d.shape and (a == d).all() for a, d in zip(after, during))
+    assert all(a.shape[0] > 40 for a in after)
+    assert len(answers) == len(prompts)
+    assert all(answer == hf_greedy(model, ids, 8) for ids, answer in answers)

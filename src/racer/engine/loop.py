@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
 
@@ -33,6 +34,7 @@ from racer.engine.host import to_host
 from racer.engine.memory import DraftSession, DrafterMemory
 from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions, request_ids
+from racer.engine.prompt_head import PromptHead
 from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.rows import OneRow, Rows, SlotRows
@@ -80,7 +82,9 @@ class _Request:
     session: DraftSession | None = None  # from the end of its prefill to its finish
     verifier: TreeVerifier | None = None  # while prefilling
     prefilled: int = 0
-    logits: list[torch.Tensor] = field(default_factory=list)  # prefill logits the drafter needs
+    logits: list[torch.Tensor] = field(default_factory=list)  # prefill rows the drafter needs (logits or hidden)
+    last_logits: torch.Tensor | None = None  # the prompt's last position, until drafting begins
+    deferred: bool = False  # ``logits`` holds hidden states for ``PromptHead``
     row: int | None = None
     cancelled: bool = False
 
@@ -150,6 +154,7 @@ class BatchDecoder:
         if check:
             self_test(model)
         self.verifier = TreeVerifier(model, self.fast_paths, self.facts)
+        self.prompt_head = PromptHead(model)
         # The self-test past the model's windows waits for the first pass that reaches one.
         self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
         self.rows: Rows = OneRow(self.verifier) if max_batch == 1 else SlotRows(self.verifier, model.config)
@@ -321,10 +326,12 @@ class BatchDecoder:
             self._finish(request, "cancelled")
             updates.append(Update(request.id, [], True))
         if self._waiting and len(self._active) < self.max_batch:
-            self._prefill_chunk(self._waiting[0], updates)
+            joined = self._prefill_chunk(self._waiting[0], updates)
             if early is not None and updates:
                 early(updates)
                 updates = []
+            if joined is not None:
+                self._begin_drafting(joined)
         if self._active:
             self._verify(updates)
         if self._unsaved and not self.busy:
@@ -337,35 +344,41 @@ class BatchDecoder:
             save()
         self._unsaved = False
 
-    def _prefill_chunk(self, request: _Request, updates: list[Update]) -> None:
+    def _prefill_chunk(self, request: _Request, updates: list[Update]) -> _Request | None:
+        """One chunk of ``request``'s prompt; returns it once its prefill is done and it
+        decodes (its drafting begins with ``_begin_drafting``)."""
         start = time.perf_counter()
         if request.verifier is None:
             request.verifier = self.rows.prefill_verifier()
         verifier, ids = request.verifier, request.ids
         take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
-        # A ``prompt_window`` keeps the drafter's prompt rows to the prompt's last positions,
-        # so that the LM head over a long prompt does not hold up the first token.
+        # Predictions over the prompt for a drafter that reads them: from the LM head
+        # after the first token has left (``racer.engine.prompt_head``) where this model
+        # allows it, else in this pass. ``prompt_window`` keeps them to its last positions.
         window = self.prompt_window if self.needs.prompt else 1
         if request.prefilled == 0:
-            logits = verifier.prefill(take, keep=window)
-        else:
-            logits = verifier.verify(chain(take[0], take[1:]))
-            verifier.commit(list(range(len(take))), len(take))
+            request.deferred = self.needs.prompt and self.prompt_head.usable
+        deferred = request.deferred
+        with self.prompt_head.capture() if deferred else nullcontext([]) as hidden:
+            keep = 1 if deferred else window
+            if request.prefilled == 0:
+                logits = verifier.prefill(take, keep=keep)
+            else:
+                logits = verifier.verify(chain(take[0], take[1:]), keep=keep)
+                verifier.commit(list(range(len(take))), len(take))
         request.prefilled += len(take)
-        request.logits.append(logits)
+        request.logits.append(torch.cat(hidden) if deferred else logits)
         if window:
             request.logits = [torch.cat(request.logits)[-window:]]
         if request.prefilled < len(ids):
             request.result.prefill_s += time.perf_counter() - start
             self.seconds["prefill"] += time.perf_counter() - start
-            return
+            return None
         self._waiting.remove(request)
-        logits = torch.cat(request.logits)
-        root = request.chooser.first(logits[-1:], ids)
-        request.session = self.memory.begin(request.scope, ids, top_ids(logits, self.needs.topk)
-                                            if self.needs.topk else None)
+        request.last_logits = logits[-1:]
+        root = request.chooser.first(request.last_logits, ids)
         request.row = self.rows.admit(verifier)
-        request.verifier, request.logits = None, []
+        request.verifier = None
         self._active.append(request)
         request.result.prefill_s += time.perf_counter() - start
         cut = request.stopper.cut(request.result.tokens, [root])
@@ -374,7 +387,28 @@ class BatchDecoder:
         updates.append(Update(request.id, cut.tokens, cut.done or full, ["none"] * len(cut.tokens), 0, 0))
         self.seconds["prefill"] += time.perf_counter() - start
         if cut.done or full:
+            request.logits, request.last_logits = [], None
             self._finish(request, request.stopper.reason if cut.done else "context")
+            return None
+        return request
+
+    def _begin_drafting(self, request: _Request) -> None:
+        """The request's drafter learns its prompt (and the model's predictions over it,
+        for a drafter that reads them)."""
+        start = time.perf_counter()
+        prompt_topk = None
+        if self.needs.topk:
+            rows = torch.cat(request.logits)
+            if request.deferred:
+                prompt_topk = self.prompt_head.top_ids(rows, request.last_logits, self.needs.topk)
+                if prompt_topk is None:  # this model's head is its own: its last position only
+                    prompt_topk = top_ids(request.last_logits, self.needs.topk)
+            else:
+                prompt_topk = top_ids(rows, self.needs.topk)
+        request.session = self.memory.begin(request.scope, request.ids, prompt_topk)
+        request.logits, request.last_logits = [], None
+        request.result.prefill_s += time.perf_counter() - start
+        self.seconds["prefill"] += time.perf_counter() - start
 
     def _verify(self, updates: list[Update]) -> None:
         """One step over the decoding requests. Every request's ``StepStats`` holds the

@@ -116,9 +116,9 @@ class TreeVerifier:
         ancestors = torch.from_numpy(tree.ancestor_mask()).to(self.device)
         return self.layout.masks(self.cached, depths, ancestors, self.dtype, max(tree.depths))
 
-    def verify(self, tree: DraftTree) -> torch.Tensor:
-        """Logits at every tree node, shape (N, vocab). The tree's KV is appended to
-        the cache until ``commit``."""
+    def verify(self, tree: DraftTree, keep: int = 0) -> torch.Tensor:
+        """Logits at every tree node, shape (N, vocab), or at its last ``keep`` nodes.
+        The tree's KV is appended to the cache until ``commit``."""
         n = len(tree)
         if self.cached + max(tree.depths) >= self.max_positions:
             raise ValueError("tree would run past the model's context window")
@@ -135,7 +135,7 @@ class TreeVerifier:
         linear = self.kernels.using(self.kernel_of(n))
         attention = self.tree_attention if mask is not None and self.tree_attention is not None else nullcontext()
         with linear, attention, indexed_windows(self.layout, mask) as model_mask:
-            return self.forward(ids, positions, model_mask, n)
+            return self.forward(ids, positions, model_mask, keep if 0 < keep < n else n)
 
     def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # Layers that hold no KV of their own (shared-KV or attention-free) have None.
