@@ -332,8 +332,9 @@ def _prompt_tables(engine, prompts, max_new_tokens=2):
 
 def test_a_model_whose_head_is_not_its_output_embeddings_gets_its_own_logits_over_the_prompt():
     """The LM head after the first token is checked on the first prompt against the
-    model's own last logits; where they disagree, that prompt's drafter sees one row and
-    every later prompt gets the model's own logits at every position."""
+    model's own last logits; where they disagree, or where the pass never went through
+    the hooked module, that prompt's drafter sees one row and every later prompt gets
+    the model's own logits at every position."""
     import torch
 
     from conftest import make_tiny_llama
@@ -345,6 +346,13 @@ def test_a_model_whose_head_is_not_its_output_embeddings_gets_its_own_logits_ove
         expected = [torch.topk(model(torch.tensor([p])).logits[0], 3, dim=-1).indices.numpy() for p in prompts]
     trusted, _ = _prompt_tables(BatchDecoder(model, None, PromptRows(), max_batch=1), prompts)
     assert all(t.shape == (len(p), 3) and (t == e).all() for t, p, e in zip(trusted, prompts, expected))
+
+    around = BatchDecoder(model, None, PromptRows(), max_batch=1)
+    around.prompt_head.base = torch.nn.Linear(64, 64)  # a module the model's pass never calls
+    (first, second), _ = _prompt_tables(around, prompts)
+    assert around.prompt_head.trusted is False
+    assert first.shape == (1, 3) and (first == expected[0][-1:]).all()
+    assert second.shape == (len(prompts[1]), 3) and (second == expected[1]).all()
 
     wrong = torch.nn.Linear(64, 97, bias=False)
     model.get_output_embeddings = lambda: wrong

@@ -367,7 +367,10 @@ class BatchDecoder:
                 logits = verifier.verify(chain(take[0], take[1:]), keep=keep)
                 verifier.commit(list(range(len(take))), len(take))
         request.prefilled += len(take)
-        request.logits.append(torch.cat(hidden) if deferred else logits)
+        if deferred and not hidden:  # the model's pass went around the hooked module
+            self.prompt_head.missed()
+            request.deferred, request.logits = False, []  # this prompt's drafter sees its last rows only
+        request.logits.append(torch.cat(hidden) if request.deferred else logits)
         if window:
             request.logits = [torch.cat(request.logits)[-window:]]
         if request.prefilled < len(ids):

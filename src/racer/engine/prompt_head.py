@@ -28,12 +28,19 @@ from racer.engine.host import to_host
 HEAD_CHUNK = 256  # prompt positions per LM-head product: bounds the logits held at once
 
 
+def _decoder(model: Any) -> Any:
+    try:
+        return model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        return getattr(model, "base_model", None)
+
+
 class PromptHead:
     """Captures a model's final hidden states in prefill passes, and turns them into
     the top ids of the LM head later."""
 
     def __init__(self, model: Any) -> None:
-        self.base = getattr(model, "base_model", None)
+        self.base = _decoder(model)
         self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         # None: not checked yet; False: this model's head is not what ``top_ids`` computes.
         self.trusted: bool | None = None if self.base is not None and self.base is not model and self.head is not None \
@@ -45,8 +52,8 @@ class PromptHead:
 
     @contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
-        """The base model's last hidden states of each pass inside the block, one
-        (positions, hidden) tensor per pass."""
+        """The decoder's last hidden states of each pass inside the block, one
+        (positions, hidden) tensor per pass (none where the pass went around it)."""
         captured: list[torch.Tensor] = []
 
         def keep(module: Any, args: Any, output: Any) -> None:
@@ -58,6 +65,11 @@ class PromptHead:
             yield captured
         finally:
             handle.remove()
+
+    def missed(self) -> None:
+        """A prefill pass gave no hidden states to capture: this model's passes do not
+        go through the hooked module, so it is never used again."""
+        self.trusted = False
 
     def top_ids(self, hidden: torch.Tensor, last_logits: torch.Tensor, k: int) -> np.ndarray | None:
         """The ``k`` top ids of the LM head at each row of ``hidden``, whose last row
