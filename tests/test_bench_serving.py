@@ -69,6 +69,9 @@ def test_every_vllm_method_has_its_speculative_config_and_a_bad_name_is_refused(
     assert set(VLLM_METHODS) == {"none", "ngram", "ngram3", "suffix", "racer"}
     with pytest.raises(ValueError, match="--vllm-methods.*'eagle'"):
         vllm_speculative_config("eagle", 5)
+    assert vllm_speculative_config("racer:memory=shared", 5, racer_tokens=12) == vllm_speculative_config("racer", 5, 12)
+    with pytest.raises(ValueError, match="--vllm-methods: racer: memory: expected one of kept, fresh, shared"):
+        vllm_speculative_config("racer:memory=all", 5)
 
 
 def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, monkeypatch):
@@ -90,7 +93,10 @@ def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, mon
     env = started["env"]
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and started["start_new_session"]
-    assert server.name == "vllm racer" and server.model == "smol"
+    assert server.name == "vllm racer" and server.model == "smol" and env["RACER_VLLM_METHOD"] == "racer"
+    server = vllm_server("racer:memory=shared", 8125, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5,
+                         tmp_path)
+    assert started["env"]["RACER_VLLM_METHOD"] == "racer:memory=shared" and server.name == "vllm racer:memory=shared"
     vllm_server("none", 8124, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path)
     assert "--speculative-config" not in started["command"]
 
@@ -160,3 +166,23 @@ def test_a_racer_servers_seconds_by_part_become_shares_of_the_loads_wall_time():
     cells = [c.strip() for c in lines[2].split("|")[1:-1]]
     assert cells[:4] == ["4", "racer serve --method racer", "60.0%", "0.0%"]
     assert cells[-4] == "40.0%" and cells[-2] == "2.0%"  # idle/other; the API's detokenize
+
+
+def test_the_code_editing_workload_carries_the_code_its_answers_rewrite():
+    from racer.bench.clients import prompt_pool
+    from racer.bench.questions import load_questions
+
+    prompts = prompt_pool("code_edit")
+    questions = load_questions("code_edit")
+    assert len(prompts) == len(questions) == 48
+    kinds = [q.category for q in sorted(questions, key=lambda q: prompts.index(q.prompt))]
+    assert kinds[:4] == ["type_hints", "docstring", "rename", "fix_bug"] and kinds[4:8] == kinds[:4]  # in turn
+    for question in questions:
+        code = question.prompt.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        compile(code, question.key, "exec")  # real, whole functions
+        assert len(code.splitlines()) >= 10
+    fix = next(q for q in questions if q.category == "fix_bug")
+    assert "should be" in fix.prompt
+    assert prompt_pool()[:2] == [load_questions("spec_bench")[0].prompt, load_questions("human_eval")[0].prompt]
+    with pytest.raises(ValueError, match="--workload: expected one of mix, code_edit"):
+        prompt_pool("agents")

@@ -169,3 +169,31 @@ def test_a_drafted_chain_that_the_row_did_not_accept_as_proposed_rebuilds_the_ro
 
 def test_the_module_does_not_import_vllm():
     assert "vllm" not in sys.modules or not hasattr(sys.modules["vllm"], "LLM")
+
+
+def test_a_shared_memory_lets_a_new_row_draft_what_another_row_wrote_unless_scoped_to_requests(monkeypatch):
+    """Under ``memory=shared`` a request's first chain already follows text a live row
+    of the server wrote (vLLM gives no prompt logits, so RACER's own memory starts with
+    the prompt alone); ``RACER_VLLM_MEMORY_SCOPE=request`` shares nothing."""
+    from racer.integrations.vllm import scope_from_env
+
+    story = list(range(100, 140))
+    firsts = {}
+    for scope in ("server", None):
+        drafts = ChainDrafts("racer:memory=shared", tokens=8, scope=scope)
+        writer = Verifier(story, prompt=30)
+        chains = drafts.propose([[writer.context[-1]]], [writer.context])
+        _, chains = run(drafts, [writer], chains)
+        # A second request whose prompt ends where the writer's text goes on.
+        reader = Verifier([7, 8] + story[10:20] + story[20:30], prompt=12)
+        out = drafts.propose([[writer.context[-1]], [reader.context[-1]]], [writer.context, reader.context])
+        firsts[scope] = out[1]
+    assert firsts["server"][:4] == story[20:24]
+    assert firsts[None] == []
+    monkeypatch.setenv("RACER_VLLM_MEMORY_SCOPE", "request")
+    assert scope_from_env() is None
+    monkeypatch.setenv("RACER_VLLM_MEMORY_SCOPE", "user")
+    with pytest.raises(ValueError, match="RACER_VLLM_MEMORY_SCOPE"):
+        scope_from_env()
+    monkeypatch.delenv("RACER_VLLM_MEMORY_SCOPE")
+    assert scope_from_env() == "server"

@@ -102,7 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="ar,hf,pld,racer",
                        help="comma-separated: ar, hf, hf-pld and draft methods with options (default: ar,hf,pld,racer)")
     bench.add_argument("--datasets", default="spec_bench,human_eval,mgsm",
-                       help="comma-separated: spec_bench, human_eval, mgsm or JSONL paths; NAME:N takes N per category")
+                       help="comma-separated: spec_bench, human_eval, mgsm, code_edit or JSONL paths; NAME:N takes N "
+                            "per category")
     bench.add_argument("--limit", type=_positive, default=None, help="first N prompts of each category")
     bench.add_argument("--max-new-tokens", type=_positive, default=256)
     bench.add_argument("--baseline", default=None,
@@ -151,12 +152,16 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rounds", type=_positive, default=1,
                       help="times over the whole load, interleaved; the median round is reported (default: 1)")
     load.add_argument("--no-anchor", action="store_true", help="skip transformers serve")
+    load.add_argument("--workload", choices=("mix", "code_edit"), default="mix",
+                      help="the prompts: mix (Spec-Bench and HumanEval, alternating) or code_edit (requests "
+                           "that rewrite the code they carry) (default: mix)")
     load.add_argument("--vllm", default=None, metavar="PYTHON",
                       help="the Python of an environment with vLLM (make vllm-env: .venv-vllm/bin/python): also "
                            "measure vLLM's OpenAI server on the same model folder, once per --vllm-methods")
     load.add_argument("--vllm-methods", default="none,ngram,ngram3,suffix,racer",
                       help="vLLM's speculation in each vLLM server: none, ngram (its defaults), ngram3 "
-                           "(prompt_lookup_max 3), suffix (needs arctic-inference), racer (racer's proposer); "
+                           "(prompt_lookup_max 3), suffix (needs arctic-inference), racer (racer's proposer), "
+                           "racer:OPTIONS (its method spec, e.g. racer:memory=shared); "
                            "the first is the table's baseline (default: all five)")
     load.add_argument("--vllm-tokens", type=_positive, default=5,
                       help="num_speculative_tokens of vLLM's ngram proposers (default: 5)")
@@ -475,7 +480,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
                         args.model, args.dtype, args.threads, args.max_batch, args.rounds,
                         vllm=args.vllm, vllm_methods=vllm_methods, vllm_tokens=args.vllm_tokens,
                         vllm_racer_tokens=args.vllm_racer_tokens,
-                        fresh=args.fresh_servers or bool(args.vllm))
+                        fresh=args.fresh_servers or bool(args.vllm), workload=args.workload)
     return 0 if loads and not any(load.errors for load in loads) else 1
 
 

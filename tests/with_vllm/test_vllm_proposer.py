@@ -91,6 +91,23 @@ def test_the_proposer_follows_requests_through_a_scheduler_with_fewer_rows_than_
         engine.close()
 
 
+def test_a_shared_memory_that_every_request_writes_into_changes_no_output(plain_outputs, monkeypatch):
+    # memory=shared: every request reads and writes one automaton and copy-logit table
+    # while the others decode (8 at once), then each again alone, drafting from what the
+    # first pass wrote: vLLM's own output every time.
+    monkeypatch.setenv("RACER_VLLM_METHOD", "racer:memory=shared")
+    questions = plain_outputs["questions"]
+    engine = Engine(RACER)
+    try:
+        assert engine.greedy([chat(q) for q in questions]) == plain_outputs["batch"]
+        alone = [engine.greedy([chat(q)])[0] for q in questions[::3]]
+        assert alone == plain_outputs["batch"][::3]
+        accepted, drafts = engine.accepted()
+        assert accepted > 0 and drafts > 0
+    finally:
+        engine.close()
+
+
 def test_racers_proposer_accepts_more_than_vllms_ngram_on_humaneval_and_mgsm(plain_outputs):
     # Last in this file: once an ngram engine has been built in a process, vLLM 0.32
     # fails to build another (its kernel dispatcher). And the counters read are those of

@@ -116,15 +116,30 @@ def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[st
     return Load(server, concurrency, time.perf_counter() - start, [o for o in outcomes if o is not None])
 
 
-def prompt_pool() -> list[str]:
-    """Spec-Bench (a question of each category in turn) and HumanEval, alternating."""
+WORKLOADS = ("mix", "code_edit")
+
+
+def _by_category_in_turn(dataset: str) -> list[str]:
     from racer.bench.questions import load_questions
 
     by_category: dict[str, list[str]] = {}
-    for question in load_questions("spec_bench"):
+    for question in load_questions(dataset):
         by_category.setdefault(question.category, []).append(question.prompt)
-    spec = [group[i] for i in range(max(map(len, by_category.values())))
+    return [group[i] for i in range(max(map(len, by_category.values())))
             for group in by_category.values() if i < len(group)]
+
+
+def prompt_pool(workload: str = "mix") -> list[str]:
+    """The prompts clients send, in order. ``mix``: Spec-Bench (a question of each
+    category in turn) and HumanEval, alternating; ``code_edit``: the code-editing
+    requests (a task of each kind in turn), whose answers rewrite the code they carry."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if workload == "code_edit":
+        return _by_category_in_turn("code_edit")
+    from racer.bench.questions import load_questions
+
+    spec = _by_category_in_turn("spec_bench")
     code = [q.prompt for q in load_questions("human_eval")]
     return [prompt for pair in zip(spec, code) for prompt in pair]
 

@@ -1,4 +1,4 @@
-"""Benchmark questions: Spec-Bench, HumanEval, MGSM-ZH (shipped with the package, in
+"""Benchmark questions: Spec-Bench, HumanEval, MGSM-ZH, code editing (shipped with the package, in
 ``racer/bench/data``; licences in its README), or any JSONL of the same format
 (``{"question_id", "category", "turns": [...]}``)."""
 
@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("spec_bench", "human_eval", "mgsm")
+DATASETS = ("spec_bench", "human_eval", "mgsm", "code_edit")
 
 
 @dataclass(frozen=True)

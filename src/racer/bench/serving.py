@@ -39,17 +39,19 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
                 anchor: bool, out: Path, model: str | None = None, dtype: str = "float32",
                 threads: int | None = None, max_batch: int = 8, rounds: int = 1,
                 ready_timeout: float = 900.0, vllm: str | None = None, vllm_methods: Sequence[str] = (),
-                vllm_tokens: int = 5, vllm_racer_tokens: int = 16, fresh: bool = False) -> list[Load]:
+                vllm_tokens: int = 5, vllm_racer_tokens: int = 16, fresh: bool = False,
+                workload: str = "mix") -> list[Load]:
     """Run the interleaved loads (``rounds`` times over, each round every C and at each C
     every server in turn) against one ``racer serve`` per method, the anchor, and, with
     ``vllm`` (the Python of an environment with vLLM), one vLLM server per
     ``vllm_methods``; write ``serve.json`` and the plot into ``out``, print the table
     (against the first vLLM server if any, else the first server); returns the loads.
-    Servers are started once and frozen while idle, or with ``fresh`` for each load."""
+    Servers are started once and frozen while idle, or with ``fresh`` for each load.
+    ``workload``: the prompts (``racer.bench.clients.prompt_pool``)."""
     from racer.loading import load_tokenizer, model_folder
 
     out.mkdir(parents=True, exist_ok=True)
-    questions = prompt_pool()
+    questions = prompt_pool(workload)
     tokenizer = load_tokenizer(model)
     count = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     if threads:
@@ -126,7 +128,7 @@ def bench_serve(methods: Sequence[str], concurrency: Sequence[int], max_tokens: 
     finally:
         for server in running.values():
             server.stop()
-    report = {"settings": {"methods": list(methods), "concurrency": list(concurrency), "max_tokens": max_tokens,
+    report = {"settings": {"workload": workload, "methods": list(methods), "concurrency": list(concurrency), "max_tokens": max_tokens,
                            "per_client": per_client, "model": name, "dtype": dtype,
                            "threads": threads, "max_batch": max_batch, "rounds": rounds,
                            "vllm_methods": list(vllm_methods) if vllm else [], "vllm_tokens": vllm_tokens,

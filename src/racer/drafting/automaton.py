@@ -152,14 +152,19 @@ class NgramAutomaton:
         self.fail[node] = link
         self.fail_in[link].add(node)
         # Existing nodes whose string ends with this one's, and whose link was shorter,
-        # now link here. They carry the same token, so only those are examined.
+        # now link here. Such a node's old link was a suffix of this string in the trie,
+        # and the longest such (this node's own link), so they are among the nodes
+        # linked to ``link``; they also carry the same token: the smaller set is examined.
         same = self.by_token.setdefault(token, set())
         d = self.depth[node]
-        for other in same:
-            if self.depth[other] > d and self.depth[self.fail[other]] < d and self._suffix_of(other, node):
-                self.fail_in[self.fail[other]].discard(other)
-                self.fail[other] = node
-                self.fail_in[node].add(other)
+        pool = self.fail_in[link] if len(self.fail_in[link]) < len(same) else same
+        moved = [other for other in pool
+                 if self.token[other] == token and self.depth[other] > d
+                 and self.depth[self.fail[other]] < d and self._suffix_of(other, node)]
+        for other in moved:
+            self.fail_in[self.fail[other]].discard(other)
+            self.fail[other] = node
+            self.fail_in[node].add(other)
         same.add(node)
         return node
 
@@ -187,6 +192,17 @@ class NgramAutomaton:
             self.state = self.insert(context[-self.n :])
         else:
             self.advance(context[-1])
+
+    def insert_windows(self, context: Sequence[int]) -> None:
+        """Insert every n-gram window of ``context`` (the whole of it if shorter than n),
+        leaving the matching state alone."""
+        n = self.n
+        if len(context) < n:
+            if context:
+                self.insert(context)
+            return
+        for end in range(n, len(context) + 1):
+            self.insert(context[end - n : end])
 
     def start(self, context: Sequence[int]) -> None:
         """A new context (a prompt): insert all its full windows, set the state."""
@@ -216,11 +232,21 @@ class NgramAutomaton:
         for token in context_tail:
             self.advance(token)
 
-    def borders(self, root: int, min_depth: int = 2) -> list[int]:
+    def match(self, tail: Iterable[int]) -> int:
+        """The node of the longest suffix of ``tail`` in the trie, touching nothing: the
+        matching state of a context that ends with ``tail`` (its last n - 1 tokens
+        suffice) in an automaton other contexts write into too."""
+        state = ROOT
+        for token in tail:
+            state = self.goto(state, token)
+        return state
+
+    def borders(self, root: int, min_depth: int = 2, state: int | None = None) -> list[int]:
         """Nodes for every suffix of context + ``root`` in the trie with at least
-        ``min_depth`` tokens, longest first."""
+        ``min_depth`` tokens, longest first; the context's matching state is
+        ``state`` (default: this automaton's own)."""
         found = []
-        state = self.state
+        state = self.state if state is None else state
         while True:
             child = self.children[state].get(root)
             if child is not None and self.depth[child] >= min_depth:
@@ -229,11 +255,12 @@ class NgramAutomaton:
                 return found
             state = self.fail[state]
 
-    def retrieve(self, root: int, limit: int, min_depth: int = 2) -> list[Continuation]:
+    def retrieve(self, root: int, limit: int, min_depth: int = 2, state: int | None = None) -> list[Continuation]:
         """Up to ``limit`` continuations (token paths after ``root``) from all border
-        subtrees, the most frequent nodes first; ties go to the shallower."""
+        subtrees, the most frequent nodes first; ties go to the shallower. ``state``:
+        as in ``borders``."""
         out = []
-        for end, path in self._retrieve(root, limit, min_depth):
+        for end, path in self._retrieve(root, limit, min_depth, state):
             ratios = []
             node = end
             for _ in path:
@@ -243,10 +270,10 @@ class NgramAutomaton:
             out.append(Continuation(path, self.freq[end], self.depth[node], ratios[::-1]))
         return out
 
-    def _retrieve(self, root: int, limit: int, min_depth: int) -> list[tuple[int, list[int]]]:
+    def _retrieve(self, root: int, limit: int, min_depth: int, state: int | None) -> list[tuple[int, list[int]]]:
         if limit <= 0:
             return []
-        frontier = [(b, ()) for b in self.borders(root, min_depth)]
+        frontier = [(b, ()) for b in self.borders(root, min_depth, state)]
         chosen: list[tuple[int, int, int, tuple[int, ...], int]] = []  # (-freq, depth, order, path, node)
         order = 0
         while frontier:

@@ -62,6 +62,16 @@ class Drafter(ABC):
         (may be None) and end-of-sequence ids. Drafters whose data depend on the
         tokenizer check it here."""
 
+    def new_shared(self) -> Any:
+        """A new memory for the requests of one scope to share (a drafter's own kind:
+        RACER's is ``racer.drafting.shared.SharedMemory``), or None: this drafter, as
+        configured, shares nothing beyond what it keeps itself."""
+        return None
+
+    def share(self, shared: Any) -> None:
+        """The shared memory (one ``new_shared`` made) of the scope of the request about
+        to ``begin``, or None: that request shares nothing."""
+
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         """A new request. With ``needs.prompt``, ``prompt_topk`` holds the top ids
         predicted at the prompt's last positions (the engine's ``prompt_window`` of them,

@@ -11,7 +11,6 @@ import numpy as np
 from racer.drafting.tree import LOGITS, TreeBuilder
 
 
-
 def logits_feature(rank: int, depth: int) -> tuple:
     """Acceptance evidence of a node taken from a copy-logit row: its rank there
     (0-based) and its depth (3 = 3 or deeper)."""
@@ -49,10 +48,13 @@ def child_breadth(breadth: int, rank: int, parent_depth: int) -> int:
     return max(1, breadth >> shift)
 
 
-def expand_logits_tree(builder: TreeBuilder, candidates: Callable[[int], Sequence[int]], k: int, budget: int) -> int:
+def expand_logits_tree(builder: TreeBuilder, candidates: Callable[[int], Sequence[int]], k: int, budget: int,
+                       feature: Callable[[int, int, int], tuple] | None = None) -> int:
     """Grow ``builder`` breadth-first from its root: node u with breadth b gets the
     first b ids of ``candidates(u_token)`` as children. At most ``budget`` proposals
-    (counted whether or not they merge with nodes already there); returns how many."""
+    (counted whether or not they merge with nodes already there); returns how many.
+    ``feature(parent_token, rank, depth)``: a node's evidence key (default
+    ``logits_feature``)."""
     proposed = 0
     queue = deque([(0, k)])
     while queue and proposed < budget:
@@ -61,7 +63,9 @@ def expand_logits_tree(builder: TreeBuilder, candidates: Callable[[int], Sequenc
         for rank, token in enumerate(candidates(builder.tokens[node])[:breadth]):
             if proposed >= budget:
                 break
-            child = builder.add_child(node, token, LOGITS, logits_feature(rank, depth + 1))
+            key = (logits_feature(rank, depth + 1) if feature is None
+                   else feature(builder.tokens[node], rank, depth + 1))
+            child = builder.add_child(node, token, LOGITS, key)
             if child is None:
                 return proposed
             proposed += 1

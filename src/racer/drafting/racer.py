@@ -4,13 +4,14 @@ continuations) in the capacity left, merged into one draft tree."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from racer.drafting.automaton import NgramAutomaton
+from racer.drafting.automaton import Continuation, NgramAutomaton
 from racer.drafting.base import Drafter, Needs
 from racer.drafting.copy_logit import CopyLogitTable, expand_logits_tree, logits_feature
+from racer.drafting.shared import SharedMemory
 from racer.drafting.tree import LOGITS, RETRIEVAL, DraftTree, TreeBuilder, source_name
 
 
@@ -24,11 +25,23 @@ def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
     return ("retrieval", agreement, min(border_depth, 6), min(int(ratio * 4), 4))
 
 
+def shared_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
+    """A node retrieved from the scope's shared automaton: the same evidence as
+    ``retrieval_feature`` under a key of its own, since other requests' text is rated
+    apart from the request's own."""
+    return ("shared",) + retrieval_feature(agreement, border_depth, ratio)[1:]
+
+
+def shared_logits_feature(rank: int, depth: int) -> tuple:
+    """A node from a row of the shared copy-logit table (another request wrote it)."""
+    return ("shared-logits",) + logits_feature(rank, depth)[1:]
+
+
 _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
     "logits": ("copy", "last"),
     "update": ("all", "accepted"),
-    "memory": ("kept", "fresh"),
+    "memory": ("kept", "fresh", "shared"),
 }
 
 
@@ -42,7 +55,10 @@ class RacerDrafter(Drafter):
     - ``sources``: both | retrieval | logits (the paper's ablation)
     - ``logits``: copy (row of the token's last occurrence) | last (reuse the last step's logits)
     - ``update``: all verified nodes write the table | accepted nodes only
-    - ``memory``: kept across requests | fresh per request
+    - ``memory``: kept across requests (one lineage of requests, the drafter's) | fresh
+      per request (the paper's) | shared: fresh per request, with the scope's shared
+      memory read beside it (``racer.drafting.shared``; ``shared_nodes`` bounds its
+      automaton)
     """
 
     name = "racer"
@@ -50,17 +66,23 @@ class RacerDrafter(Drafter):
     candidates = 64  # proposed with capacity=auto: the paper's fixed capacity
 
     def __init__(self, n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2, chain: bool = False,
-                 sources: str = "both", logits: str = "copy", update: str = "all", memory: str = "kept") -> None:
+                 sources: str = "both", logits: str = "copy", update: str = "all", memory: str = "kept",
+                 shared_nodes: int = 100_000) -> None:
         for option, value in (("sources", sources), ("logits", logits), ("update", update), ("memory", memory)):
             if value not in _CHOICES[option]:
                 raise ValueError(f"racer: {option}: expected one of {', '.join(_CHOICES[option])}, got {value!r}")
         if min_border < 1:
             raise ValueError(f"racer: min_border: expected at least 1, got {min_border}")
+        if isinstance(shared_nodes, bool) or not isinstance(shared_nodes, int) or shared_nodes < n + 1:
+            raise ValueError(f"racer: shared_nodes: expected a node capacity of at least n + 1 = {n + 1}, "
+                             f"got {shared_nodes!r}")
         self.n, self.nodes, self.k, self.min_border, self.chain = n, nodes, k, min_border, bool(chain)
+        self.shared_nodes = shared_nodes
         self.sources, self.logits, self.update, self.memory = sources, logits, update, memory
         self.use_retrieval = sources in ("both", "retrieval")
         self.use_logits = sources in ("both", "logits")
-        self.last_logit, self.accepted_only, self.fresh = logits == "last", update == "accepted", memory == "fresh"
+        self.last_logit, self.accepted_only = logits == "last", update == "accepted"
+        self.fresh = memory in ("fresh", "shared")
         # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
         self.needs = Needs(topk=k + 1 if self.last_logit else k, prompt=True) if self.use_logits else Needs()
         self.automaton = NgramAutomaton(n, nodes)
@@ -71,10 +93,18 @@ class RacerDrafter(Drafter):
         # copy-logit row (0: not in the row), and by source.
         self.accepted_ranks: Counter[int] = Counter()
         self.accepted_by_source: Counter[int] = Counter()
+        self.accepted_shared = 0  # of which, drafted from the shared memory
+        self._shared: SharedMemory | None = None
+
+    def new_shared(self) -> SharedMemory | None:
+        return SharedMemory(self.n, self.shared_nodes, self.k) if self.memory == "shared" else None
+
+    def share(self, shared: SharedMemory | None) -> None:
+        self._shared = shared
 
     # -- request lifecycle -------------------------------------------------------------
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        self.accepted_ranks, self.accepted_by_source = Counter(), Counter()
+        self.accepted_ranks, self.accepted_by_source, self.accepted_shared = Counter(), Counter(), 0
         if self.fresh:
             self.automaton = NgramAutomaton(self.n, self.nodes)
             self.table = CopyLogitTable(self.k)
@@ -84,11 +114,22 @@ class RacerDrafter(Drafter):
         if prompt_topk is not None:
             self.table.write(self._context[len(self._context) - len(prompt_topk) :], prompt_topk)
             self._last_row = tuple(prompt_topk[-1].tolist())
+        if self._shared is not None:
+            self._shared.begin(self._context, prompt_topk)
 
     def _candidates(self, token: int) -> tuple[int, ...]:
         # last-logit: every node reuses the last step's logits; their rank 1 is the
         # root itself, so ranks 2.. are the guesses for what follows.
-        return self._last_row[1:] if self.last_logit else self.table.row(token)
+        if self.last_logit:
+            return self._last_row[1:]
+        row = self.table.row(token)
+        if not row and self._shared is not None:
+            row = self._shared.table.row(token)
+        return row
+
+    def _logits_key(self, parent: int, rank: int, depth: int) -> tuple:
+        own = self._shared is None or self.last_logit or parent in self.table.rows
+        return logits_feature(rank, depth) if own else shared_logits_feature(rank, depth)
 
     def _agreement(self, parent: int, token: int) -> int:
         """1 if ``token`` is rank 1 of ``parent``'s copy-logit row, 2 if lower in it, else 0."""
@@ -103,14 +144,15 @@ class RacerDrafter(Drafter):
             found = self.automaton.retrieve(root, budget - 1, self.min_border)
             if self.chain:  # the deepest of the most frequent continuations
                 found = [max(found, key=lambda c: len(c.path))] if found else []
-            for continuation in found:
-                parents = [root] + continuation.path[:-1]
-                agreements = [self._agreement(parent, token) for parent, token in zip(parents, continuation.path)]
-                features = [retrieval_feature(agreement, continuation.border, ratio)
-                            for agreement, ratio in zip(agreements, continuation.ratios)]
-                # A retrieved token that its parent's copy-logit row also holds is both sources' draft.
-                sources = [RETRIEVAL | (LOGITS if agreement else 0) for agreement in agreements]
-                builder.add_path(continuation.path, sources, features=features)
+            self._add_retrieved(builder, root, found, retrieval_feature)
+            # The shared automaton fills at most half of what the request's own left,
+            # so the copy-logit rows keep room; with a chain, only where its own found nothing.
+            if self.chain:
+                shared_left = 0 if found else budget - 1
+            else:
+                shared_left = (budget - len(builder)) // 2
+            if self._shared is not None and shared_left > 0:
+                self._add_shared(builder, root, shared_left)
         left = budget - len(builder)
         if self.use_logits and left > 0:
             if self.chain:
@@ -123,8 +165,27 @@ class RacerDrafter(Drafter):
                                              logits_feature(0, builder.depths[node] + 1))
                     left -= 1
             else:
-                expand_logits_tree(builder, self._candidates, self.k, left)
+                expand_logits_tree(builder, self._candidates, self.k, left,
+                                   None if self._shared is None else self._logits_key)
         return builder.build()
+
+    def _add_shared(self, builder: TreeBuilder, root: int, limit: int) -> None:
+        shared = self._shared
+        found = shared.automaton.retrieve(root, limit, self.min_border, shared.state(self._context))
+        if self.chain:
+            found = [max(found, key=lambda c: len(c.path))] if found else []
+        self._add_retrieved(builder, root, found, shared_feature)
+
+    def _add_retrieved(self, builder: TreeBuilder, root: int, found: list[Continuation],
+                       feature: Callable[[int, int, float], tuple]) -> None:
+        for continuation in found:
+            parents = [root] + continuation.path[:-1]
+            agreements = [self._agreement(parent, token) for parent, token in zip(parents, continuation.path)]
+            features = [feature(agreement, continuation.border, ratio)
+                        for agreement, ratio in zip(agreements, continuation.ratios)]
+            # A retrieved token that its parent's copy-logit row also holds is both sources' draft.
+            sources = [RETRIEVAL | (LOGITS if agreement else 0) for agreement in agreements]
+            builder.add_path(continuation.path, sources, features=features)
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int]) -> None:
         for node in accepted[1:]:
@@ -133,17 +194,25 @@ class RacerDrafter(Drafter):
                 token = tree.tokens[node]
                 self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
             self.accepted_by_source[tree.sources[node] if tree.sources else 0] += 1
+            feature = tree.features[node] if tree.features else None
+            if isinstance(feature, tuple) and str(feature[0]).startswith("shared"):
+                self.accepted_shared += 1
         if tree_topk is not None:
             if self.accepted_only:
-                self.table.write([tree.tokens[i] for i in accepted], tree_topk[list(accepted)])
+                tokens, rows = [tree.tokens[i] for i in accepted], tree_topk[list(accepted)]
             else:
-                self.table.write(tree.tokens, tree_topk)
+                tokens, rows = tree.tokens, tree_topk
+            self.table.write(tokens, rows)
+            if self._shared is not None:
+                self._shared.write(tokens, rows)
             self._last_row = tuple(tree_topk[accepted[-1]].tolist())
         ctx = self._context
         for i in accepted:
             ctx.append(tree.tokens[i])
             if self.use_retrieval:
                 self.automaton.extend(ctx)
+                if self._shared is not None:
+                    self._shared.extend(ctx)
         if len(ctx) > 4 * self.n:  # only the last n tokens are ever needed
             del ctx[: len(ctx) - self.n]
 
@@ -152,4 +221,6 @@ class RacerDrafter(Drafter):
                  "retrieval_nodes": self.automaton.live}
         if self.use_logits:  # ranks in a table that was never filled would read as "not in the row"
             stats["accepted_rank"] = {str(r): c for r, c in sorted(self.accepted_ranks.items())}
+        if self._shared is not None:
+            stats["accepted_shared"] = self.accepted_shared
         return stats

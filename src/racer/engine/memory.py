@@ -13,8 +13,16 @@ C requests in flight a scope holds up to C drafters, each with the memory of the
 requests it served. Requests of no scope (``None``) get a new drafter and give
 nothing back.
 
+A drafter configured to share (RACER's ``memory=shared``) also reads and writes the
+memory of its request's scope (``Drafter.new_shared``, one per scope, made by the first
+drafter that asks): every request of the scope, live or ended, writes there, whichever
+drafter serves it. Requests of no scope share nothing.
+
 Bounded: at most ``limit`` idle drafters are kept over all scopes, the least recently
-returned dropped first; each drafter bounds its own memory (``nodes``, ``k``).
+returned dropped first; each drafter bounds its own memory (``nodes``, ``k``); shared
+memories are kept for at most ``scopes`` scopes, the least recently begun dropped first
+(its live requests keep writing to it until they end), each bounded by its drafter's
+options (``shared_nodes``, ``k``).
 """
 
 from __future__ import annotations
@@ -102,11 +110,15 @@ class DrafterMemory:
     """Drafters for requests, kept between requests by memory scope (``DrafterPool``).
 
     ``build``: a new drafter, attached to its model (``Drafter.attach``); ``rated``:
-    whether each drafter keeps an acceptance model; ``limit``: idle drafters kept."""
+    whether each drafter keeps an acceptance model; ``limit``: idle drafters kept;
+    ``scopes``: scopes whose shared memory is kept."""
 
-    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int) -> None:
-        self.build, self.rated = build, rated
+    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int, scopes: int = 16) -> None:
+        if isinstance(scopes, bool) or not isinstance(scopes, int) or scopes < 1:
+            raise ValueError(f"scopes: expected a positive integer, got {scopes!r}")
+        self.build, self.rated, self.scopes = build, rated, scopes
         self.pool: DrafterPool[tuple[Drafter, AcceptanceModel | None]] = DrafterPool(limit)
+        self.shared: "OrderedDict[Hashable, Any]" = OrderedDict()  # least recently begun first
 
     def _new(self) -> tuple[Drafter, AcceptanceModel | None]:
         return self.build(), AcceptanceModel() if self.rated else None
@@ -115,8 +127,23 @@ class DrafterMemory:
         """A request starts: the drafter its scope handed back last (or a new one)
         learns its prompt (``Drafter.begin``)."""
         drafter, acceptance = self.pool.take(scope, self._new)
+        drafter.share(self._shared(scope, drafter))
         drafter.begin(prompt, prompt_topk)
         return DraftSession(drafter, acceptance, scope)
+
+    def _shared(self, scope: Hashable | None, drafter: Drafter) -> Any:
+        if scope is None:
+            return None
+        shared = self.shared.get(scope)
+        if shared is None:
+            shared = drafter.new_shared()
+            if shared is None:
+                return None
+            self.shared[scope] = shared
+            while len(self.shared) > self.scopes:
+                self.shared.popitem(last=False)
+        self.shared.move_to_end(scope)
+        return shared
 
     def end(self, session: DraftSession) -> dict:
         """The request ended: its drafter's counts for it (``Drafter.request_stats``);
@@ -125,6 +152,7 @@ class DrafterMemory:
             raise RuntimeError("draft session: ended twice")
         session.ended = True
         stats = session.drafter.request_stats()
+        session.drafter.share(None)  # an idle drafter holds no scope's memory alive
         self.pool.give_back(session.scope, (session.drafter, session.acceptance))
         return stats
 

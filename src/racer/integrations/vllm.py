@@ -15,7 +15,9 @@ every verified position (RACER's copy-logit table) comes from a wrapper around t
 target model's ``compute_logits``. vLLM itself is imported by nobody here: racer never
 depends on it.
 
-The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``). vLLM
+The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``), who
+shares drafter memory from ``RACER_VLLM_MEMORY_SCOPE`` (``server``, the default, or
+``request``: vLLM tells a proposer no user). vLLM
 verifies every token of a chain, so a chain ends where its next token is less likely to
 be reached than a verified position costs: the floor from ``racer.budget.chain``, fitted
 to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` when set.
@@ -55,7 +57,17 @@ def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int, min_
     return tree.path_to(best)[1:] if best else []
 
 
-SCOPE = "server"  # every request of the engine shares the idle drafters, as racer serve's default
+SCOPES = {"server": "server", "request": None}  # vLLM tells a proposer nothing of a request's user
+
+
+def scope_from_env() -> str | None:
+    """``RACER_VLLM_MEMORY_SCOPE``: ``server`` (the default: every request shares the
+    idle drafters and, with ``memory=shared``, one shared memory, as racer serve's
+    default) or ``request`` (nobody shares)."""
+    text = os.environ.get("RACER_VLLM_MEMORY_SCOPE", "server")
+    if text not in SCOPES:
+        raise ValueError(f"RACER_VLLM_MEMORY_SCOPE: expected one of {', '.join(SCOPES)}, got {text!r}")
+    return SCOPES[text]
 
 
 @dataclass
@@ -70,10 +82,12 @@ class ChainDrafts:
     """Per batch row, a racer drafter and the chain it proposes next."""
 
     def __init__(self, method: str = "racer", tokens: int = 5, idle: int = 32,
-                 end_ids: set[int] | None = None, tokenizer: Any = None, min_prob: float = 0.0) -> None:
+                 end_ids: set[int] | None = None, tokenizer: Any = None, min_prob: float = 0.0,
+                 scope: str | None = "server") -> None:
         if not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob: expected a probability in [0, 1], got {min_prob}")
         self.method, self.tokens, self.idle_limit, self.min_prob = method, tokens, idle, min_prob
+        self.scope = scope  # every request's memory scope (None: each its own)
         self.end_ids, self.tokenizer = set(end_ids or ()), tokenizer
         parsed = parse_method(method)  # a bad spec fails here, not at the first step
         self.size, self.needs = parsed.draft_size, parsed.drafter.needs
@@ -121,7 +135,7 @@ class ChainDrafts:
             state = None
         if state is None:
             self.started += 1
-            session = self.memory.begin(SCOPE, context[:-1], None)
+            session = self.memory.begin(self.scope, context[:-1], None)
             state = self.rows[row] = _Row(session, tuple(context[:PREFIX]), len(context), None)
         elif state.chain is not None:
             accepted = len(new) - 1  # the row sampled its accepted drafts, then one token of its own
@@ -180,7 +194,7 @@ class RacerProposer:
         fixed = min_prob_from_env()
         self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
-                                  min_prob=fixed or 0.0)
+                                  min_prob=fixed or 0.0, scope=scope_from_env())
         self.budget = ChainBudget() if fixed is None else None
         self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
