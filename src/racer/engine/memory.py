@@ -113,7 +113,7 @@ class DrafterMemory:
     whether each drafter keeps an acceptance model; ``limit``: idle drafters kept;
     ``scopes``: scopes whose shared memory is kept."""
 
-    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int, scopes: int = 16) -> None:
+    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int, scopes: int = 8) -> None:
         if isinstance(scopes, bool) or not isinstance(scopes, int) or scopes < 1:
             raise ValueError(f"scopes: expected a positive integer, got {scopes!r}")
         self.build, self.rated, self.scopes = build, rated, scopes
