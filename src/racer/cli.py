@@ -152,7 +152,9 @@ def _build_parser() -> argparse.ArgumentParser:
     load.add_argument("--rounds", type=_positive, default=1,
                       help="times over the whole load, interleaved; the median round is reported (default: 1)")
     load.add_argument("--no-anchor", action="store_true", help="skip transformers serve")
-    load.add_argument("--workload", choices=("mix", "code_edit"), default="mix",
+    from racer.bench.clients import WORKLOADS
+
+    load.add_argument("--workload", choices=WORKLOADS, default="mix",
                       help="the prompts: mix (Spec-Bench and HumanEval, alternating) or code_edit (requests "
                            "that rewrite the code they carry) (default: mix)")
     load.add_argument("--vllm", default=None, metavar="PYTHON",

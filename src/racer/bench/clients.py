@@ -137,10 +137,8 @@ def prompt_pool(workload: str = "mix") -> list[str]:
         raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
     if workload == "code_edit":
         return _by_category_in_turn("code_edit")
-    from racer.bench.questions import load_questions
-
     spec = _by_category_in_turn("spec_bench")
-    code = [q.prompt for q in load_questions("human_eval")]
+    code = _by_category_in_turn("human_eval")  # one category: the file's order
     return [prompt for pair in zip(spec, code) for prompt in pair]
 
 

@@ -193,23 +193,19 @@ class NgramAutomaton:
         else:
             self.advance(context[-1])
 
-    def insert_windows(self, context: Sequence[int]) -> None:
-        """Insert every n-gram window of ``context`` (the whole of it if shorter than n),
-        leaving the matching state alone."""
-        n = self.n
-        if len(context) < n:
-            if context:
-                self.insert(context)
-            return
+    def insert_windows(self, context: Sequence[int]) -> int:
+        """Insert every full n-gram window of ``context``, leaving the matching state
+        alone; returns the last window's node (ROOT: none, the context is shorter)."""
+        n, node = self.n, ROOT
         for end in range(n, len(context) + 1):
-            self.insert(context[end - n : end])
+            node = self.insert(context[end - n : end])
+        return node
 
     def start(self, context: Sequence[int]) -> None:
         """A new context (a prompt): insert all its full windows, set the state."""
-        n = self.n
-        for end in range(n, len(context) + 1):
-            self.state = self.insert(context[end - n : end])
-        if len(context) < n:
+        if len(context) >= self.n:
+            self.state = self.insert_windows(context)
+        else:
             self.reset_state(context)
 
     # -- matching -----------------------------------------------------------------------

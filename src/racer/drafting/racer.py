@@ -37,6 +37,9 @@ def shared_logits_feature(rank: int, depth: int) -> tuple:
     return ("shared-logits",) + logits_feature(rank, depth)[1:]
 
 
+_SHARED_KEYS = ("shared", "shared-logits")  # the evidence keys' first element for shared drafts
+
+
 _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
     "logits": ("copy", "last"),
@@ -194,8 +197,7 @@ class RacerDrafter(Drafter):
                 token = tree.tokens[node]
                 self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
             self.accepted_by_source[tree.sources[node] if tree.sources else 0] += 1
-            feature = tree.features[node] if tree.features else None
-            if isinstance(feature, tuple) and str(feature[0]).startswith("shared"):
+            if tree.features and tree.features[node] and tree.features[node][0] in _SHARED_KEYS:
                 self.accepted_shared += 1
         if tree_topk is not None:
             if self.accepted_only:

@@ -43,7 +43,10 @@ class SharedMemory:
         """A request starts: its prompt's n-grams, and the predictions over its last
         positions where it has them."""
         self.writers += 1
-        self.automaton.insert_windows(prompt)
+        if len(prompt) < self.automaton.n:
+            self.automaton.insert(prompt)  # a short prompt is still text later requests may repeat
+        else:
+            self.automaton.insert_windows(prompt)
         if prompt_topk is not None and len(prompt_topk):
             self.table.write(prompt[len(prompt) - len(prompt_topk) :], prompt_topk)
 
