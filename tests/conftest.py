@@ -65,9 +65,11 @@ LOSSLESS_NEW_TOKENS = 128
 
 
 def lossless_questions() -> list[Question]:
-    """At least 2 per Spec-Bench category, 5 of HumanEval and 5 of MGSM."""
+    """At least 2 per Spec-Bench category, 5 of HumanEval and 5 of MGSM, a code-editing
+    request and an agent session's last call (the longest prompt: the whole conversation)."""
     return (load_questions("spec_bench", limit=2) + load_questions("human_eval", limit=5)
-            + load_questions("mgsm", limit=5))
+            + load_questions("mgsm", limit=5) + load_questions("code_edit", limit=1)[:1]
+            + load_questions("agent_sessions", limit=1)[-1:])
 
 
 @pytest.fixture(scope="session")

@@ -132,7 +132,7 @@ def test_a_batched_step_reads_the_device_once(tiny_model, monkeypatch):
 def test_real_model_requests_batch_losslessly(real):
     model, tokenizer = real
     questions = lossless_questions()[::5][:8]
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True) for q in questions]
+    prompts = [encode_prompt(tokenizer, q.chat, chat=True) for q in questions]
     decoder = Decoder(model, tokenizer, "racer")
     decoder.calibrate()
     batch = BatchDecoder(model, tokenizer, "racer", max_batch=8, prefill_chunk=64, cost=decoder.cost)

@@ -184,5 +184,41 @@ def test_the_code_editing_workload_carries_the_code_its_answers_rewrite():
     fix = next(q for q in questions if q.category == "fix_bug")
     assert "should be" in fix.prompt
     assert prompt_pool()[:2] == [load_questions("spec_bench")[0].prompt, load_questions("human_eval")[0].prompt]
-    with pytest.raises(ValueError, match="--workload: expected one of mix, code_edit"):
+    with pytest.raises(ValueError, match="--workload: expected one of mix, code_edit, agent"):
         prompt_pool("agents")
+
+
+def test_agent_sessions_resend_their_growing_conversation_with_real_tool_outputs():
+    import importlib
+    from pathlib import Path
+
+    from racer.bench.clients import Session, prompt_pool
+    from racer.bench.questions import load_questions
+
+    sessions = prompt_pool("agent")
+    questions = load_questions("agent_sessions")
+    assert len(sessions) == 96 and all(isinstance(s, Session) and len(s.requests) == 4 for s in sessions)
+    assert [q.chat for q in questions] == [r for s in sessions for r in s.requests]
+    system = sessions[0].requests[0][0]
+    for session in sessions:
+        assert session.requests[0][0] == system  # one framework's system prompt
+        for before, after in zip(session.requests, session.requests[1:]):
+            assert after[: len(before)] == before and [m["role"] for m in after[len(before):]] == ["assistant", "user"]
+        last = session.requests[-1]
+        read, edited = last[5]["content"], last[7]["content"]
+        # The file read is the real file with one comparison made non-strict; the edit's
+        # observation shows it strict again, as in the file.
+        assert last[1]["content"].split("`")[3].startswith("Lib/")
+        numbered = dict(line.split("\t", 1) for line in read.splitlines()[1:])
+        fixed = dict(line.split("\t", 1) for line in edited.splitlines()[1:])
+        changed = [n for n in fixed if numbered.get(n, fixed[n]) != fixed[n]]
+        assert len(changed) == 1
+        bad, good = numbered[changed[0]], fixed[changed[0]]
+        assert bad in (good.replace(" < ", " <= ", 1), good.replace(" > ", " >= ", 1)) and bad != good
+    truth = Path(importlib.import_module("difflib").__file__).read_text(encoding="utf-8").splitlines()
+    difflib_reads = [s.requests[-1][5]["content"] for s in sessions if "Lib/difflib.py" in s.requests[0][1]["content"]]
+    assert difflib_reads
+    for read in difflib_reads:
+        lines = {int(n): text for n, text in (line.split("\t", 1) for line in read.splitlines()[1:])}
+        assert sum(truth[n - 1] != text for n, text in lines.items()) == 1  # one planted change
+    assert load_questions("agent_sessions", 2)[-1].question_id == "session-1/4"

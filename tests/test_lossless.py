@@ -64,7 +64,8 @@ def decoders(real, datastore):
 
 def test_prompt_set_covers_every_category():
     spec = {q.category for q in QUESTIONS if q.dataset == "spec_bench"}
-    assert len(spec) == 13 and len(QUESTIONS) == 26 + 5 + 5
+    assert len(spec) == 13 and len(QUESTIONS) == 26 + 5 + 5 + 1 + 1
+    assert QUESTIONS[-1].dataset == "agent_sessions" and len(QUESTIONS[-1].chat) == 8
 
 
 @pytest.mark.parametrize("settings", [RACER_SETTINGS, OTHER_SETTINGS, FORCED_KERNEL_SETTINGS])
@@ -77,7 +78,7 @@ def test_every_rotating_setting_gets_prompts_from_several_datasets(settings):
 def test_every_method_matches_hf_greedy(real, decoders, index):
     model, tokenizer = real
     question = QUESTIONS[index]
-    ids = encode_prompt(tokenizer, [{"role": "user", "content": question.prompt}], chat=True)
+    ids = encode_prompt(tokenizer, question.chat, chat=True)
     reference = hf_greedy(model, ids, LOSSLESS_NEW_TOKENS)
     mismatched = {}
     methods = EVERY_PROMPT + [settings[index % len(settings)]

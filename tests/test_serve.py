@@ -598,32 +598,37 @@ def test_the_load_generator_reports_refused_requests_as_errors(server):
 
 
 def test_the_load_generator_times_streamed_answers(real):
-    """``racer bench-serve``'s client: streamed greedy answers, their usage, their times."""
-    from racer.bench.clients import merge_rounds, run_load
+    """``racer bench-serve``'s client: streamed greedy answers, their usage, their times;
+    a session's calls from one client, in order, after the prompts alone."""
+    from racer.bench.clients import Session, merge_rounds, run_load
     from racer.bench.prometheus import counters, nodes_per_pass
     from racer.bench.serving import table
 
+    first = [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": QUESTIONS[2]}]
+    then = first + [{"role": "assistant", "content": "84."}, {"role": "user", "content": "And 12 times 8?"}]
+    prompts = [QUESTIONS[0], QUESTIONS[1], Session((first, then))]
     process, base = start_server("--max-batch", "2")
     try:
         host, port = base.removeprefix("http://").split(":")
         before = counters(int(port))
-        loads = [run_load("racer", host, int(port), DEFAULT_MODEL, QUESTIONS[:3], 2, 12) for _ in range(2)]
+        loads = [run_load("racer", host, int(port), DEFAULT_MODEL, prompts, 2, 12) for _ in range(2)]
         after = counters(int(port))
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
     model, tokenizer = real
     decoder = Decoder(model, tokenizer, "none")
+    asked = [[{"role": "user", "content": QUESTIONS[0]}], [{"role": "user", "content": QUESTIONS[1]}], first, then]
     for load in loads:
-        assert load.errors == 0 and len(load.outcomes) == 3
-        for question, outcome in zip(QUESTIONS, load.outcomes):
-            expected = decoder.generate([{"role": "user", "content": question}], chat=True, max_new_tokens=12)
+        assert load.errors == 0 and len(load.outcomes) == 4
+        for messages, outcome in zip(asked, load.outcomes):
+            expected = decoder.generate(messages, chat=True, max_new_tokens=12)
             assert outcome.text == expected.text and outcome.tokens == len(expected.tokens)
             assert 0 < outcome.ttft <= outcome.latency
     assert after["racer_completion_tokens_total"] - before.get("racer_completion_tokens_total", 0) == sum(
         o.tokens for load in loads for o in load.outcomes)
     assert nodes_per_pass(before, after) >= 1.0
     merged = merge_rounds(loads)
-    assert len(merged) == 1 and len(merged[0].outcomes) == 6
+    assert len(merged) == 1 and len(merged[0].outcomes) == 8
     assert min(l.tokens_per_s for l in loads) <= merged[0].tokens_per_s <= max(l.tokens_per_s for l in loads)
     assert "| 2 | racer |" in table(merged, "racer")

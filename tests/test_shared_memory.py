@@ -131,7 +131,7 @@ def test_real_model_requests_sharing_a_memory_decode_as_alone(real):
 
     model, tokenizer = real
     questions = lossless_questions()[1::5][:4] * 2
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True) for q in questions]
+    prompts = [encode_prompt(tokenizer, q.chat, chat=True) for q in questions]
     decoder = Decoder(model, tokenizer, "racer")
     decoder.calibrate()
     batch = BatchDecoder(model, tokenizer, "racer:memory=shared", max_batch=4, prefill_chunk=64, cost=decoder.cost)

@@ -121,11 +121,41 @@ def test_a_request_drafts_its_repeated_text_and_accepts_it():
     request = Verifier(TEXT + [99], prompt=12)
     first = request.context[:-1] + [request.context[-1]]
     chains = drafts.propose([[first[-1]]], [request.context])
-    accepted = 0
+    accepted = proposed = 0
     for _ in range(6):
+        chain = chains[0]
         sampled, chains = run(drafts, [request], chains)
-        accepted += len(sampled[0]) - 1
+        if sampled[0]:  # empty once the text is done: the row has finished
+            proposed += len(chain)
+            accepted += len(sampled[0]) - 1
     assert accepted >= 10 and drafts.rebuilt == 0
+    # Its counts of verified chains: what was proposed, accepted, and expected by the
+    # acceptance model (no more than the chains' lengths, more than nothing).
+    assert (drafts.drafted, drafts.accepted) == (proposed, accepted)
+    assert 0 < drafts.expected <= drafts.drafted
+
+
+def test_the_proposer_reports_its_budget_and_acceptance_every_n_steps(monkeypatch, capsys):
+    import numpy as np
+    from types import SimpleNamespace as NS
+
+    from racer.integrations.vllm import RacerProposer, stats_every_from_env
+
+    monkeypatch.setenv("RACER_VLLM_STATS", "2")
+    config = NS(speculative_config=NS(num_speculative_tokens=4), model_config=NS(hf_config=NS(eos_token_id=2)),
+                scheduler_config=NS(max_num_seqs=4))
+    proposer = RacerProposer(config)
+    request = Verifier(TEXT + [99], prompt=12)
+    chains = [[]]
+    for step in range(4):
+        sampled = [[request.context[-1]]] if step == 0 else [request.step(chains[0])]
+        ids = np.array([request.context], dtype=np.int64)
+        chains = proposer.propose(sampled, np.array([len(request.context)]), ids)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("racer proposer")]
+    assert len(lines) == 2 and "after 4 steps" in lines[1] and f"accepted {proposer.drafts.accepted}," in lines[1]
+    monkeypatch.setenv("RACER_VLLM_STATS", "often")
+    with pytest.raises(ValueError, match="RACER_VLLM_STATS"):
+        stats_every_from_env()
 
 
 def test_rows_follow_their_requests_through_reordering_preemption_and_finishing():

@@ -102,8 +102,8 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="ar,hf,pld,racer",
                        help="comma-separated: ar, hf, hf-pld and draft methods with options (default: ar,hf,pld,racer)")
     bench.add_argument("--datasets", default="spec_bench,human_eval,mgsm",
-                       help="comma-separated: spec_bench, human_eval, mgsm, code_edit or JSONL paths; NAME:N takes N "
-                            "per category")
+                       help="comma-separated: spec_bench, human_eval, mgsm, code_edit, agent_sessions or JSONL "
+                            "paths; NAME:N takes N per category (of agent_sessions: N sessions)")
     bench.add_argument("--limit", type=_positive, default=None, help="first N prompts of each category")
     bench.add_argument("--max-new-tokens", type=_positive, default=256)
     bench.add_argument("--baseline", default=None,
@@ -147,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                                                   "the baseline (default: none,pld,racer)")
     load.add_argument("--concurrency", default="1,2,4,8", help="comma-separated client counts (default: 1,2,4,8)")
     load.add_argument("--max-tokens", type=_positive, default=256, help="max_tokens of every request (default: 256)")
-    load.add_argument("--per-client", type=_positive, default=2, help="requests each client sends in turn (default: 2)")
+    load.add_argument("--per-client", type=_positive, default=2, help="requests (agent: sessions) each client sends in turn (default: 2)")
     load.add_argument("--max-batch", type=_positive, default=8, help="the racer servers' --max-batch (default: 8)")
     load.add_argument("--rounds", type=_positive, default=1,
                       help="times over the whole load, interleaved; the median round is reported (default: 1)")
@@ -155,8 +155,9 @@ def _build_parser() -> argparse.ArgumentParser:
     from racer.bench.clients import WORKLOADS
 
     load.add_argument("--workload", choices=WORKLOADS, default="mix",
-                      help="the prompts: mix (Spec-Bench and HumanEval, alternating) or code_edit (requests "
-                           "that rewrite the code they carry) (default: mix)")
+                      help="the prompts: mix (Spec-Bench and HumanEval, alternating), code_edit (requests "
+                           "that rewrite the code they carry) or agent (agent sessions, each call resending the "
+                           "conversation with its tool outputs) (default: mix)")
     load.add_argument("--vllm", default=None, metavar="PYTHON",
                       help="the Python of an environment with vLLM (make vllm-env: .venv-vllm/bin/python): also "
                            "measure vLLM's OpenAI server on the same model folder, once per --vllm-methods")

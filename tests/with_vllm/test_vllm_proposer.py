@@ -25,7 +25,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}
 
 
 def chat(question) -> list[dict]:
-    return [{"role": "user", "content": question.prompt}]
+    return question.chat
 
 
 class Engine:

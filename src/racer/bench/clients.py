@@ -1,7 +1,9 @@
 """``racer bench-serve``'s clients: C concurrent clients each send their share of the
 prompts, one after another, as streamed greedy chat completions over HTTP (the standard
 library's client), and each answer's text, tokens, time to first token and latency are
-kept; a load's completion tokens per second and percentiles are worked out from them."""
+kept; a load's completion tokens per second and percentiles are worked out from them.
+A session (an agent's calls, each resending the conversation so far) goes to one client,
+its requests in order."""
 
 from __future__ import annotations
 
@@ -11,7 +13,16 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
+
+Prompt = Union[str, list]  # a user message, or the chat messages of one request
+
+
+@dataclass(frozen=True)
+class Session:
+    """Requests one client sends one after another, as an agent does."""
+
+    requests: tuple[Prompt, ...]
 
 
 @dataclass
@@ -56,11 +67,12 @@ class Load:
         return sum(o.error is not None for o in self.outcomes)
 
 
-def stream_chat(host: str, port: int, model: str, prompt: str, max_tokens: int, count: Any = None,
+def stream_chat(host: str, port: int, model: str, prompt: Prompt, max_tokens: int, count: Any = None,
                 timeout: float = 600.0) -> Outcome:
     """One streamed, greedy chat completion; ``count(text)`` counts tokens when the
     server reports no usage."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
     start = time.perf_counter()
     first, parts, tokens = None, [], None
@@ -98,14 +110,17 @@ def stream_chat(host: str, port: int, model: str, prompt: str, max_tokens: int, 
     return Outcome((first or end) - start, end - start, tokens, text)
 
 
-def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[str], concurrency: int,
-             max_tokens: int, count: Any = None) -> Load:
-    """``concurrency`` clients; client i sends prompts i, i + C, i + 2C, ... in turn."""
-    outcomes: list[Outcome | None] = [None] * len(prompts)
+def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[Prompt | Session],
+             concurrency: int, max_tokens: int, count: Any = None) -> Load:
+    """``concurrency`` clients; client i sends prompts i, i + C, i + 2C, ... in turn (a
+    session's requests one after another); the outcomes in the prompts' order."""
+    outcomes: list[list[Outcome]] = [[] for _ in prompts]
 
     def client(index: int) -> None:
         for k in range(index, len(prompts), concurrency):
-            outcomes[k] = stream_chat(host, port, model, prompts[k], max_tokens, count)
+            requests = prompts[k].requests if isinstance(prompts[k], Session) else (prompts[k],)
+            for request in requests:
+                outcomes[k].append(stream_chat(host, port, model, request, max_tokens, count))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     start = time.perf_counter()
@@ -113,10 +128,10 @@ def run_load(server: str, host: str, port: int, model: str, prompts: Sequence[st
         thread.start()
     for thread in threads:
         thread.join()
-    return Load(server, concurrency, time.perf_counter() - start, [o for o in outcomes if o is not None])
+    return Load(server, concurrency, time.perf_counter() - start, [o for done in outcomes for o in done])
 
 
-WORKLOADS = ("mix", "code_edit")
+WORKLOADS = ("mix", "code_edit", "agent")
 
 
 def _by_category_in_turn(dataset: str) -> list[str]:
@@ -129,12 +144,21 @@ def _by_category_in_turn(dataset: str) -> list[str]:
             for group in by_category.values() if i < len(group)]
 
 
-def prompt_pool(workload: str = "mix") -> list[str]:
+def prompt_pool(workload: str = "mix") -> list[Prompt | Session]:
     """The prompts clients send, in order. ``mix``: Spec-Bench (a question of each
     category in turn) and HumanEval, alternating; ``code_edit``: the code-editing
-    requests (a task of each kind in turn), whose answers rewrite the code they carry."""
+    requests (a task of each kind in turn), whose answers rewrite the code they carry;
+    ``agent``: the agent sessions, each a ``Session`` of the calls that resend its
+    growing conversation."""
     if workload not in WORKLOADS:
         raise ValueError(f"--workload: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if workload == "agent":
+        from racer.bench.questions import load_questions
+
+        sessions: dict[str, list[Prompt]] = {}
+        for question in load_questions("agent_sessions"):
+            sessions.setdefault(question.session or question.question_id, []).append(question.chat)
+        return [Session(tuple(requests)) for requests in sessions.values()]
     if workload == "code_edit":
         return _by_category_in_turn("code_edit")
     spec = _by_category_in_turn("spec_bench")

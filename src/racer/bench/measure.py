@@ -204,7 +204,7 @@ def evidence(dataset: str, limit: int, tokens: int, threads: int, method: str = 
     hits: Counter = Counter()
     for q in load_questions(dataset, limit):
         steps.clear()
-        out = decoder.generate([{"role": "user", "content": q.prompt}], chat=True, max_new_tokens=tokens).tokens
+        out = decoder.generate(q.chat, chat=True, max_new_tokens=tokens).tokens
         at = 1  # out[at - 1] is the root of the next step
         for tree, chosen in steps:
             truth = out[at:]
@@ -229,7 +229,7 @@ def agreement(dtype: str, methods: list[str], tokens: int, threads: int) -> None
     decoders = {m: racer.Decoder(model, tok, m) for m in methods}
     flips = {m: [] for m in methods}
     for q in questions:
-        ids = encode_prompt(tok, [{"role": "user", "content": q.prompt}], chat=True)
+        ids = encode_prompt(tok, q.chat, chat=True)
         t = torch.tensor([ids])
         with torch.inference_mode():
             ref = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False, max_new_tokens=tokens,
@@ -298,7 +298,7 @@ def batch(threads: int, tokens: int, concurrency: tuple[int, ...] = (1, 2, 4, 8)
     print(f"| C | method | tokens/s | vs {methods[0]} | nodes/request/pass | same tokens as {methods[0]} |")
     print("|---|---|---|---|---|---|")
     for c in concurrency:
-        prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True)
+        prompts = [encode_prompt(tokenizer, q.chat, chat=True)
                    for q in questions[: 2 * c]]
         rates, first = {}, None
         for method in methods:

@@ -108,7 +108,7 @@ def run_bench(model: Any, tokenizer: Any, methods: Sequence[str], questions: Seq
     result = BenchResult(machine_info(threads), {"methods": list(methods), "baseline": baseline,
                                                  "max_new_tokens": max_new_tokens, "warmup": warmup,
                                                  "prompts": len(questions), "sampling": sampling})
-    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q.prompt}], chat=True) for q in questions]
+    prompts = [encode_prompt(tokenizer, q.chat, chat=True) for q in questions]
     # Warm-up (lazy initialisation, allocator, caches), not recorded; on a prompt of its
     # own so that no drafter that keeps memory has seen a measured prompt.
     warm_ids = encode_prompt(tokenizer, [{"role": "user", "content": WARMUP_PROMPT}], chat=True)

@@ -34,7 +34,7 @@ class ChainBudget:
         if rows > 0 and seconds > 0:
             self.steps.append((rows, drafted, emitted, seconds))
 
-    def _fit(self) -> tuple[float, float] | None:
+    def fit(self) -> tuple[float, float] | None:
         """b of the fit and the steps' emitted tokens per second, or None where the
         steps cannot tell b."""
         if len(self.steps) < self.warmup:
@@ -49,10 +49,10 @@ class ChainBudget:
 
     def cost_per_token(self) -> float | None:
         """b of the fit, or None where the steps cannot tell it."""
-        fit = self._fit()
+        fit = self.fit()
         return None if fit is None else fit[0]
 
     def floor(self) -> float:
         """The least probability of being reached that a chain's token should have."""
-        fit = self._fit()
+        fit = self.fit()
         return 0.0 if fit is None else min(1.0, fit[0] * fit[1])

@@ -26,6 +26,7 @@ to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` whe
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -76,6 +77,7 @@ class _Row:
     prefix: tuple[int, ...]  # the request's first tokens
     length: int  # context length when it last drafted, root included
     chain: DraftTree | None  # the chain it proposed then
+    expected: float = 0.0  # the chain's expected accepted length, as the acceptance model rated it
 
 
 class ChainDrafts:
@@ -95,6 +97,8 @@ class ChainDrafts:
         self.memory = DrafterMemory(self._new_drafter, rated=True, limit=idle)
         self.started = 0  # requests a row began drafting for
         self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
+        # Verified chains: tokens proposed, accepted, and accepted as the acceptance model expected.
+        self.drafted, self.accepted, self.expected = 0, 0, 0.0
 
     def _new_drafter(self) -> Any:
         drafter = parse_method(self.method).drafter
@@ -144,11 +148,17 @@ class ChainDrafts:
             if rows_topk is not None and len(rows_topk) != len(state.chain):
                 rows_topk = None
             state.session.observe(state.chain, rows_topk, path)
+            self.drafted += len(state.chain) - 1
+            self.accepted += accepted
+            self.expected += state.expected
         state.length = len(context)
         tree = state.session.draft(context[-1], self.size)
-        nodes = best_chain(tree, state.session.acceptance.probabilities(tree), self.tokens, floor)
+        probabilities = state.session.acceptance.probabilities(tree)
+        nodes = best_chain(tree, probabilities, self.tokens, floor)
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
+        path_p = path_probabilities(tree.parents, probabilities)
+        state.expected = sum(path_p[i] for i in nodes)
         return [tree.tokens[i] for i in nodes]
 
     @staticmethod
@@ -163,6 +173,14 @@ class ChainDrafts:
         chain = list(state.chain.tokens[1:])
         return (len(new) <= len(chain) + 1 and new[:-1] == chain[: len(new) - 1]
                 and context[state.length - 1] == state.chain.tokens[0])
+
+
+def stats_every_from_env() -> int:
+    """``RACER_VLLM_STATS``: every how many steps the proposer reports (0, the default: never)."""
+    text = os.environ.get("RACER_VLLM_STATS", "0")
+    if not text.isdigit():
+        raise ValueError(f"RACER_VLLM_STATS: expected a number of steps (0: never), got {text!r}")
+    return int(text)
 
 
 def min_prob_from_env() -> float | None:
@@ -199,6 +217,8 @@ class RacerProposer:
         self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
         self._last: tuple[float, list[list[int]]] | None = None  # when the last step was proposed, and what
+        self._report_every = stats_every_from_env()
+        self._steps = 0
 
     def load_model(self, target_model: Any) -> None:
         """Wrap the target's ``compute_logits``: each call's top-k ids (one row per
@@ -234,7 +254,19 @@ class RacerProposer:
         if self.budget is not None and (self.drafts.started, self.drafts.rebuilt) == before:
             self._time_step(now, sampled_token_ids)
         self._last = (now, chains)
+        self._steps += 1
+        if self._report_every and self._steps % self._report_every == 0:
+            self._report(floor)
         return chains
+
+    def _report(self, floor: float | None) -> None:
+        """One line on stderr (the server's log): the chain budget's fit and how the
+        acceptance model's expectation compares with what was accepted."""
+        drafts, fit = self.drafts, self.budget.fit() if self.budget is not None else None
+        cost = f"{fit[0] * 1e3:.2f} ms per draft token at {fit[1]:.1f} tokens/s" if fit else "no fit"
+        print(f"racer proposer after {self._steps} steps: floor {floor if floor is not None else drafts.min_prob:.3f} "
+              f"({cost}); drafted {drafts.drafted}, accepted {drafts.accepted}, expected "
+              f"{drafts.expected:.1f}", file=sys.stderr, flush=True)
 
     def _time_step(self, now: float, sampled: list[list[int]]) -> None:
         """Time the pass since the last ``propose``, which verified its chains, if it
