@@ -36,10 +36,17 @@ def test_the_floor_follows_the_recent_steps():
     assert budget.floor() > 5 * cheap
 
 
-def test_no_floor_before_the_steps_can_tell():
+def test_the_floor_before_the_steps_can_tell_is_the_one_given():
     budget = ChainBudget(warmup=32)
     steps(budget, per_row=0.004, per_token=0.001, n=31)
     assert budget.floor() == 0.0 and budget.cost_per_token() is None
+    prior = ChainBudget(warmup=32, before=0.3)
+    steps(prior, per_row=0.004, per_token=0.001, n=31)
+    assert prior.floor() == 0.3
+    steps(prior, per_row=0.004, per_token=0.001, n=1)
+    assert prior.floor() != 0.3  # measured from the 32nd step on
+    with pytest.raises(ValueError, match="before"):
+        ChainBudget(before=1.5)
     same = ChainBudget()
     for _ in range(100):  # the same draft size every step: its cost is not separable from the rows'
         same.observe(4, 20, 8, 0.05)

@@ -135,6 +135,41 @@ def test_a_request_drafts_its_repeated_text_and_accepts_it():
     assert 0 < drafts.expected <= drafts.drafted
 
 
+def test_chains_that_overreach_raise_the_floor_by_their_calibration():
+    """A chain is its tree's best-rated path, so its rates run high; accepted over
+    expected tokens of recent chains scales the floor up by as much (never down)."""
+    from racer.integrations import vllm
+
+    drafts = ChainDrafts("racer", tokens=5, min_prob=0.2)
+    assert drafts.calibration() == 1.0  # nothing verified yet
+    drafts._recent = [50.0, 100.0]
+    assert drafts.calibration() == pytest.approx((50 + vllm.CALIBRATION_PRIOR) / (100 + vllm.CALIBRATION_PRIOR))
+    drafts._recent = [300.0, 100.0]
+    assert drafts.calibration() == 1.0  # underconfident chains keep the floor as it is
+    drafts._recent = [0.0, 1000.0]
+    assert drafts.calibration() == 0.25
+    # Overreaching chains are cut shorter than calibrated ones at the same floor.
+    lengths = {}
+    for recent in ([0.0, 0.0], [10.0, 1000.0]):
+        drafts = ChainDrafts("racer", tokens=8, min_prob=0.2)
+        request = Verifier(TEXT + [99], prompt=12)
+        chains = drafts.propose([[request.context[-1]]], [request.context])
+        total = 0
+        for _ in range(4):
+            drafts._recent = list(recent)
+            total += len(chains[0])
+            _, chains = run(drafts, [request], chains)
+        lengths[tuple(recent)] = total
+    assert lengths[(10.0, 1000.0)] < lengths[(0.0, 0.0)]
+    # Its window: halved once the expected tokens pass it.
+    drafts = ChainDrafts("racer", tokens=5)
+    request = Verifier(TEXT * 8 + [99], prompt=12)
+    chains = drafts.propose([[request.context[-1]]], [request.context])
+    drafts._recent = [1000.0, vllm.CALIBRATION_WINDOW]
+    _, chains = run(drafts, [request], chains)
+    assert drafts._recent[1] < vllm.CALIBRATION_WINDOW
+
+
 def test_the_proposer_reports_its_budget_and_acceptance_every_n_steps(monkeypatch, capsys):
     import numpy as np
     from types import SimpleNamespace as NS

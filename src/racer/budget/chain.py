@@ -19,13 +19,14 @@ class ChainBudget:
     """The least path probability worth verifying, from the last ``window`` steps.
 
     Until ``warmup`` steps are in, or while the steps' draft sizes do not vary enough
-    to tell their cost from the rows', the floor is 0: every token the drafter rates
-    above nothing is proposed."""
+    to tell their cost from the rows', the floor is ``before``."""
 
-    def __init__(self, window: int = 256, warmup: int = 32) -> None:
+    def __init__(self, window: int = 256, warmup: int = 32, before: float = 0.0) -> None:
         if window < 3 or warmup < 3:
             raise ValueError(f"expected a window and warm-up of at least 3 steps, got {window}, {warmup}")
-        self.warmup = warmup
+        if not 0.0 <= before <= 1.0:
+            raise ValueError(f"before: expected a probability in [0, 1], got {before}")
+        self.warmup, self.before = warmup, before
         self.steps: deque[tuple[int, int, int, float]] = deque(maxlen=window)  # rows, drafted, emitted, s
 
     def observe(self, rows: int, drafted: int, emitted: int, seconds: float) -> None:
@@ -55,4 +56,4 @@ class ChainBudget:
     def floor(self) -> float:
         """The least probability of being reached that a chain's token should have."""
         fit = self.fit()
-        return 0.0 if fit is None else min(1.0, fit[0] * fit[1])
+        return self.before if fit is None else min(1.0, fit[0] * fit[1])

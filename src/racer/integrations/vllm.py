@@ -20,7 +20,8 @@ shares drafter memory from ``RACER_VLLM_MEMORY_SCOPE`` (``server``, the default,
 ``request``: vLLM tells a proposer no user). vLLM
 verifies every token of a chain, so a chain ends where its next token is less likely to
 be reached than a verified position costs: the floor from ``racer.budget.chain``, fitted
-to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` when set.
+to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` when set,
+raised by how far recent chains fell short of what the acceptance model expected of them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from racer.budget.selection import path_probabilities
 from racer.engine.memory import DraftSession, DrafterMemory
 
 PREFIX = 32  # how many leading tokens identify a row's request
+CALIBRATION_WINDOW = 2000.0  # expected tokens past which the calibration's counts are halved
+WARMUP_FLOOR = 0.3  # the floor until enough of the engine's steps are timed to fit it
+CALIBRATION_PRIOR = 16.0  # pseudo-tokens, accepted as expected, before any chain is verified
 
 
 def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int, min_prob: float = 0.0) -> list[int]:
@@ -99,6 +103,7 @@ class ChainDrafts:
         self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
         # Verified chains: tokens proposed, accepted, and accepted as the acceptance model expected.
         self.drafted, self.accepted, self.expected = 0, 0, 0.0
+        self._recent = [0.0, 0.0]  # accepted and expected, halved as they grow: the calibration's window
 
     def _new_drafter(self) -> Any:
         drafter = parse_method(self.method).drafter
@@ -151,15 +156,26 @@ class ChainDrafts:
             self.drafted += len(state.chain) - 1
             self.accepted += accepted
             self.expected += state.expected
+            self._recent = [self._recent[0] + accepted, self._recent[1] + state.expected]
+            if self._recent[1] > CALIBRATION_WINDOW:
+                self._recent = [self._recent[0] / 2, self._recent[1] / 2]
         state.length = len(context)
         tree = state.session.draft(context[-1], self.size)
         probabilities = state.session.acceptance.probabilities(tree)
-        nodes = best_chain(tree, probabilities, self.tokens, floor)
+        nodes = best_chain(tree, probabilities, self.tokens, min(1.0, floor / self.calibration()))
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
         path_p = path_probabilities(tree.parents, probabilities)
         state.expected = sum(path_p[i] for i in nodes)
         return [tree.tokens[i] for i in nodes]
+
+    def calibration(self) -> float:
+        """Accepted over expected draft tokens of the recent chains, at most 1: a chain
+        is the best-rated path of its tree, so its rates run high (the winner of many
+        candidates was also the luckiest estimate); the floor is raised by as much, so a
+        token is verified where its calibrated probability clears it."""
+        accepted, expected = self._recent
+        return min(1.0, max(0.25, (accepted + CALIBRATION_PRIOR) / (expected + CALIBRATION_PRIOR)))
 
     @staticmethod
     def _continues(state: _Row, new: list[int], context: list[int]) -> bool:
@@ -213,7 +229,7 @@ class RacerProposer:
         self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
                                   min_prob=fixed or 0.0, scope=scope_from_env())
-        self.budget = ChainBudget() if fixed is None else None
+        self.budget = ChainBudget(before=WARMUP_FLOOR) if fixed is None else None
         self.needs_topk = self.drafts.needs.topk
         self._logits_rows: np.ndarray | None = None  # top-k ids of the last target pass, one row per position
         self._last: tuple[float, list[list[int]]] | None = None  # when the last step was proposed, and what
@@ -265,8 +281,8 @@ class RacerProposer:
         drafts, fit = self.drafts, self.budget.fit() if self.budget is not None else None
         cost = f"{fit[0] * 1e3:.2f} ms per draft token at {fit[1]:.1f} tokens/s" if fit else "no fit"
         print(f"racer proposer after {self._steps} steps: floor {floor if floor is not None else drafts.min_prob:.3f} "
-              f"({cost}); drafted {drafts.drafted}, accepted {drafts.accepted}, expected "
-              f"{drafts.expected:.1f}", file=sys.stderr, flush=True)
+              f"({cost}), calibration {drafts.calibration():.2f}; drafted {drafts.drafted}, accepted "
+              f"{drafts.accepted}, expected {drafts.expected:.1f}", file=sys.stderr, flush=True)
 
     def _time_step(self, now: float, sampled: list[list[int]]) -> None:
         """Time the pass since the last ``propose``, which verified its chains, if it
