@@ -121,18 +121,20 @@ def test_a_request_drafts_its_repeated_text_and_accepts_it():
     request = Verifier(TEXT + [99], prompt=12)
     first = request.context[:-1] + [request.context[-1]]
     chains = drafts.propose([[first[-1]]], [request.context])
-    accepted = proposed = 0
+    accepted = proposed = decoding = 0
     for _ in range(6):
         chain = chains[0]
         sampled, chains = run(drafts, [request], chains)
         if sampled[0]:  # empty once the text is done: the row has finished
             proposed += len(chain)
             accepted += len(sampled[0]) - 1
+            decoding += 1
     assert accepted >= 10 and drafts.rebuilt == 0
     # Its counts of verified chains: what was proposed, accepted, and expected by the
     # acceptance model (no more than the chains' lengths, more than nothing).
     assert (drafts.drafted, drafts.accepted) == (proposed, accepted)
     assert 0 < drafts.expected <= drafts.drafted
+    assert drafts.proposals == 1 + decoding and 0 <= drafts.empty < drafts.proposals  # a finished row proposes nothing
 
 
 def test_chains_that_overreach_raise_the_floor_by_their_calibration():

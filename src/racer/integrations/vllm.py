@@ -103,6 +103,7 @@ class ChainDrafts:
         self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
         # Verified chains: tokens proposed, accepted, and accepted as the acceptance model expected.
         self.drafted, self.accepted, self.expected = 0, 0, 0.0
+        self.proposals, self.empty = 0, 0  # chains proposed to decoding rows, and of them empty ones
         self._recent = [0.0, 0.0]  # accepted and expected, halved as they grow: the calibration's window
 
     def _new_drafter(self) -> Any:
@@ -167,6 +168,8 @@ class ChainDrafts:
         state.chain = tree.subtree([0] + nodes)
         path_p = path_probabilities(tree.parents, probabilities)
         state.expected = sum(path_p[i] for i in nodes)
+        self.proposals += 1
+        self.empty += not nodes
         return [tree.tokens[i] for i in nodes]
 
     def calibration(self) -> float:
@@ -281,8 +284,9 @@ class RacerProposer:
         drafts, fit = self.drafts, self.budget.fit() if self.budget is not None else None
         cost = f"{fit[0] * 1e3:.2f} ms per draft token at {fit[1]:.1f} tokens/s" if fit else "no fit"
         print(f"racer proposer after {self._steps} steps: floor {floor if floor is not None else drafts.min_prob:.3f} "
-              f"({cost}), calibration {drafts.calibration():.2f}; drafted {drafts.drafted}, accepted "
-              f"{drafts.accepted}, expected {drafts.expected:.1f}", file=sys.stderr, flush=True)
+              f"({cost}), calibration {drafts.calibration():.2f}; {drafts.empty} of {drafts.proposals} chains "
+              f"empty; drafted {drafts.drafted}, accepted {drafts.accepted}, expected {drafts.expected:.1f}",
+              file=sys.stderr, flush=True)
 
     def _time_step(self, now: float, sampled: list[list[int]]) -> None:
         """Time the pass since the last ``propose``, which verified its chains, if it
