@@ -134,10 +134,12 @@ class BatchDecoder:
     def __init__(self, model: Any, tokenizer: Any, method: str | Drafter | Method = "racer", *,
                  max_batch: int = 8, prefill_chunk: int = 512, capacity: int | str | None = None, cost: Any = None,
                  check: bool = True, fast_paths: bool | FastPaths = True, memory_limit: int | None = None,
-                 detokenize: bool = True, prompt_window: int = PROMPT_WINDOW) -> None:
+                 detokenize: bool = True, prompt_window: int = PROMPT_WINDOW, prefix_cache_mib: int = 0) -> None:
         for name, value in (("max_batch", max_batch), ("prefill_chunk", prefill_chunk)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if isinstance(prefix_cache_mib, bool) or not isinstance(prefix_cache_mib, int) or prefix_cache_mib < 0:
+            raise ValueError(f"prefix_cache_mib: expected a non-negative integer (MiB), got {prefix_cache_mib!r}")
         if isinstance(prompt_window, bool) or not isinstance(prompt_window, int) or prompt_window < 0:
             raise ValueError(f"prompt_window: expected 0 (every position) or a positive integer, got {prompt_window!r}")
         if not isinstance(method, str) and max_batch > 1:
@@ -157,7 +159,9 @@ class BatchDecoder:
         self.prompt_head = PromptHead(model)
         # The self-test past the model's windows waits for the first pass that reaches one.
         self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
-        self.rows: Rows = OneRow(self.verifier) if max_batch == 1 else SlotRows(self.verifier, model.config)
+        self.prefix_cache_mib = prefix_cache_mib
+        self.rows: Rows = (OneRow(self.verifier) if max_batch == 1
+                           else SlotRows(self.verifier, model.config, prefix_cache_mib << 20))
         self.end_ids = end_token_ids(self.facts.end_ids, tokenizer)
         self.needs = self.method.drafter.needs
         # Attached now, so that a drafter that cannot serve this model (a datastore of
@@ -183,7 +187,8 @@ class BatchDecoder:
         engine = BatchDecoder(self.model, self.tokenizer, self.spec, max_batch=self.max_batch,
                               prefill_chunk=self.prefill_chunk, capacity=self.capacity, cost=self.cost, check=False,
                               fast_paths=self.fast_paths, memory_limit=self.memory.pool.limit,
-                              detokenize=self.detokenize, prompt_window=self.prompt_window)
+                              detokenize=self.detokenize, prompt_window=self.prompt_window,
+                              prefix_cache_mib=self.prefix_cache_mib)
         engine.memory = self.memory
         return engine
 
@@ -349,15 +354,17 @@ class BatchDecoder:
         decodes (its drafting begins with ``_begin_drafting``)."""
         start = time.perf_counter()
         if request.verifier is None:
-            request.verifier = self.rows.prefill_verifier()
+            # A kept prefix of the prompt (``racer.engine.prefixes``) is not computed again.
+            request.verifier, request.prefilled = self.rows.prefill_verifier(request.ids, request.scope)
+            request.result.prompt_reused = request.prefilled
+            request.deferred = self.needs.prompt and self.prompt_head.usable
         verifier, ids = request.verifier, request.ids
         take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
         # Predictions over the prompt for a drafter that reads them: from the LM head
         # after the first token has left (``racer.engine.prompt_head``) where this model
-        # allows it, else in this pass. ``prompt_window`` keeps them to its last positions.
+        # allows it, else in this pass. ``prompt_window`` keeps them to its last positions
+        # (a reused prefix has none: the drafter sees the rows computed here).
         window = self.prompt_window if self.needs.prompt else 1
-        if request.prefilled == 0:
-            request.deferred = self.needs.prompt and self.prompt_head.usable
         deferred = request.deferred
         with self.prompt_head.capture() if deferred else nullcontext([]) as hidden:
             keep = 1 if deferred else window
@@ -499,6 +506,7 @@ class BatchDecoder:
     def _finish(self, request: _Request, reason: str) -> None:
         start = time.perf_counter()
         if request in self._active:
+            self.rows.keep(request.row, request.scope, request.ids + request.result.tokens)
             moved = self.rows.release(request.row)
             self._active.remove(request)
             for other in self._active:

@@ -31,6 +31,7 @@ class GenerationResult:
     prompt_tokens: int
     steps: list[StepStats] = field(default_factory=list)
     prefill_s: float = 0.0
+    prompt_reused: int = 0  # leading prompt tokens whose KV a kept prefix gave (racer.engine.prefixes)
     wall_s: float = 0.0
     stop_reason: str = "length"  # "eos", "stop", "length" or "context"
     drafter_stats: dict = field(default_factory=dict)

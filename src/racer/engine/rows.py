@@ -13,16 +13,21 @@ flattened sequence whose mask separates requests: a flattened pass would attend 
 query to every request's cache (B times the attention work), while rows attend only
 to their own, at the price of padding trees to the largest and contexts to the
 longest row.
+
+``SlotRows`` can also keep finished requests' KV (``racer.engine.prefixes``) and start
+a later request of the same scope from the longest kept prefix of its prompt.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Protocol
+from typing import Any, Hashable, Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from racer.drafting.tree import DraftTree
+from racer.engine.prefixes import Prefix, PrefixStore
 from racer.engine.slots import SlotCache
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
@@ -33,8 +38,13 @@ class Rows(Protocol):
 
     lengths: list[int]  # each row's cached tokens (the context but its last token)
 
-    def prefill_verifier(self) -> TreeVerifier:
-        """A verifier to prefill a new request on (``admit`` then takes it in)."""
+    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
+        """A verifier to prefill a new request of ``ids`` on (``admit`` then takes it
+        in), and how many of its leading tokens it already holds (a kept prefix)."""
+
+    def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
+        """Before ``row`` is released: keep its KV for later prompts that begin with
+        ``tokens`` (its context), where the rows keep prefixes."""
 
     def admit(self, prefilled: TreeVerifier) -> int:
         """Take in a prefilled request; returns its row, the last."""
@@ -60,10 +70,13 @@ class OneRow:
     def lengths(self) -> list[int]:
         return [self.verifier.cached] if self.held else []
 
-    def prefill_verifier(self) -> TreeVerifier:
+    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
         if self.held:
             raise RuntimeError("rows: one request at a time")
-        return self.verifier
+        return self.verifier, 0
+
+    def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
+        pass
 
     def admit(self, prefilled: TreeVerifier) -> int:
         if prefilled is not self.verifier or self.held:
@@ -85,17 +98,27 @@ class OneRow:
 class SlotRows:
     """Many requests in one ``SlotCache``, verified together."""
 
-    def __init__(self, verifier: TreeVerifier, config: Any) -> None:
+    def __init__(self, verifier: TreeVerifier, config: Any, prefix_bytes: int = 0) -> None:
         self.verifier = verifier
         self.slots = SlotCache(config)
+        self.prefixes = PrefixStore(prefix_bytes if self.slots.every_layer_in_slots else 0)
 
     @property
     def lengths(self) -> list[int]:
         return self.slots.state.lengths
 
-    def prefill_verifier(self) -> TreeVerifier:
+    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
         v = self.verifier
-        return TreeVerifier(v.model, v.fast_paths, v.facts, v.layout)
+        verifier = TreeVerifier(v.model, v.fast_paths, v.facts, v.layout)
+        prefix, length = self.prefixes.longest(scope, ids)
+        if prefix is not None:
+            verifier.resume(prefix.kv, length)
+        return verifier, length
+
+    def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
+        length = min(self.lengths[row], len(tokens))
+        if self.prefixes.wants(scope, length):
+            self.prefixes.put(scope, Prefix(np.asarray(tokens[:length], dtype=np.int64), self.slots.row_kv(row, length)))
 
     def admit(self, prefilled: TreeVerifier) -> int:
         return self.slots.admit(prefilled.cache, prefilled.cached)

@@ -154,6 +154,19 @@ class SlotCache:
         self.state.lengths.pop()
         return moved
 
+    @property
+    def every_layer_in_slots(self) -> bool:
+        """Whether the model's whole state is in the slot layers (no layer with state of
+        its own, as linear attention's): what lets a row's KV stand for its tokens."""
+        return len(self.slot_layers) == len(self.cache.layers)
+
+    def row_kv(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of ``row``'s first ``length`` positions, per slot layer: keys and
+        values of shape (heads, length, dim)."""
+        with torch.inference_mode():
+            return [(layer._keys[row, :, :length].clone(), layer._values[row, :, :length].clone())
+                    for layer in self.slot_layers]
+
     def begin_pass(self, nodes: int, device: torch.device) -> None:
         """Before a pass of ``nodes`` nodes per row: each row writes at its length."""
         self.state.offsets = torch.tensor(self.state.lengths, dtype=torch.long, device=device)

@@ -108,6 +108,19 @@ class TreeVerifier:
         self.cached = n
         return logits
 
+    def resume(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], length: int) -> None:
+        """Start a request whose first ``length`` positions' keys and values are known
+        (per attention layer, (heads, positions, dim), as ``SlotCache.row_kv`` copies
+        them): the cache holds them, and ``verify`` goes on from there."""
+        self.cache = self.empty_cache(self.model, self.fast_paths.growing_cache)
+        layers = getattr(self.cache, "layers", None)
+        if layers is None or len(layers) != len(kv):
+            raise RuntimeError("resume: the kept KV does not have this model's cache layers")
+        with torch.inference_mode():
+            for layer, (keys, values) in zip(layers, kv):
+                layer.update(keys[None, :, :length], values[None, :, :length])
+        self.cached = length
+
     def tree_mask(self, tree: DraftTree) -> Any:
         """The model's ``attention_mask`` for ``tree``: a (1, 1, N, cached + N) additive
         mask, 0 where a node may attend (the cache within its layer's window, its

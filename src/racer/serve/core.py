@@ -121,6 +121,7 @@ class EngineSpec:
     max_batch: int = 8
     prefill_chunk: int = 512
     threads: int | None = None
+    prefix_cache_mib: int = 0
 
     def build(self, announce: Callable[[str], None]) -> Any:
         import racer
@@ -128,7 +129,8 @@ class EngineSpec:
         announce(f"loading {self.model or racer.DEFAULT_MODEL} ({self.dtype}); the port opens when it is ready")
         model, tokenizer = racer.load_model(self.model, dtype=self.dtype, device=self.device, announce=announce)
         decoder = racer.BatchDecoder(model, tokenizer, self.method, max_batch=self.max_batch,
-                                     prefill_chunk=self.prefill_chunk, detokenize=False)
+                                     prefill_chunk=self.prefill_chunk, detokenize=False,
+                                     prefix_cache_mib=self.prefix_cache_mib)
         decoder.calibrate(announce=announce)
         return decoder
 

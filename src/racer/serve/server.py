@@ -22,19 +22,21 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
           host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 32,
           api_key: str | None = None, default_max_tokens: int = 1024, prefill_chunk: int = 512,
           grace: float = 10.0, memory_scope: str = "server", max_body: int = MAX_BODY, threads: int | None = None,
-          announce: Callable[[str], None] | None = None) -> None:
+          prefix_cache_mib: int = 512, announce: Callable[[str], None] | None = None) -> None:
     """Serve ``model_name`` (default: the embedded model) with ``method`` until stopped.
     The port is taken first, so that a busy one is said at once, not after the model
     has loaded; it accepts connections once the model is loaded and timed. ``threads``:
-    torch's threads in the engine process (default: torch's)."""
+    torch's threads in the engine process (default: torch's). ``prefix_cache_mib``: the
+    finished requests' KV kept for later prompts of the same memory scope that begin
+    with the same tokens (0: none)."""
     import uvicorn
 
     say = announce or (lambda text: print(f"racer serve: {text}", file=sys.stderr, flush=True))
     for name, value in (("max_batch", max_batch), ("max_queue", max_queue), ("default_max_tokens", default_max_tokens),
-                        ("prefill_chunk", prefill_chunk), ("max_body", max_body)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_queue" else 1):
-            raise ValueError(f"{name}: expected a {'non-negative' if name == 'max_queue' else 'positive'} integer, "
-                             f"got {value!r}")
+                        ("prefill_chunk", prefill_chunk), ("max_body", max_body), ("prefix_cache_mib", prefix_cache_mib)):
+        zero = name in ("max_queue", "prefix_cache_mib")
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+            raise ValueError(f"{name}: expected a {'non-negative' if zero else 'positive'} integer, got {value!r}")
     if memory_scope not in MEMORY_SCOPES:
         raise ValueError(f"memory_scope: expected one of {', '.join(MEMORY_SCOPES)}, got {memory_scope!r}")
     racer.parse_method(method)  # a bad spec fails before the model loads
@@ -43,7 +45,7 @@ def serve(model_name: str | None = None, *, method: str = "racer", dtype: str = 
     name = model_name or racer.DEFAULT_MODEL
     tokenizer = racer.load_tokenizer(model_name, announce=say)  # first: the embedded model is converted once
     metrics = Metrics()
-    spec = EngineSpec(model_name, method, dtype, device, max_batch, prefill_chunk, threads)
+    spec = EngineSpec(model_name, method, dtype, device, max_batch, prefill_chunk, threads, prefix_cache_mib)
     core = CoreClient.in_process(spec, max_queue, on_step=metrics.step)
     context = core.wait_ready().context
     served = Served(core, name, tokenizer, context, api_key, default_max_tokens, metrics, memory_scope, method,
