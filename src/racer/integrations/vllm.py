@@ -51,7 +51,11 @@ def best_chain(tree: DraftTree, probabilities: Sequence[float], limit: int, min_
     among nodes reached with probability ``min_prob`` or more: vLLM verifies every token
     it is given, so a token unlikely to be reached costs a position of the pass for
     little."""
-    path_p = path_probabilities(tree.parents, probabilities)
+    return _best_path(tree, path_probabilities(tree.parents, probabilities), limit, min_prob)
+
+
+def _best_path(tree: DraftTree, path_p: Sequence[float], limit: int, min_prob: float) -> list[int]:
+    """``best_chain`` from the nodes' path probabilities."""
     gain = [0.0] * len(tree)
     for i in range(1, len(tree)):
         gain[i] = gain[tree.parents[i]] + path_p[i]
@@ -162,11 +166,10 @@ class ChainDrafts:
                 self._recent = [self._recent[0] / 2, self._recent[1] / 2]
         state.length = len(context)
         tree = state.session.draft(context[-1], self.size)
-        probabilities = state.session.acceptance.probabilities(tree)
-        nodes = best_chain(tree, probabilities, self.tokens, min(1.0, floor / self.calibration()))
+        path_p = path_probabilities(tree.parents, state.session.acceptance.probabilities(tree))
+        nodes = _best_path(tree, path_p, self.tokens, min(1.0, floor / self.calibration()))
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
-        path_p = path_probabilities(tree.parents, probabilities)
         state.expected = sum(path_p[i] for i in nodes)
         self.proposals += 1
         self.empty += not nodes
