@@ -23,6 +23,11 @@ if not os.environ.get("PYTEST_XDIST_WORKER"):
     else:
         _OWN_CACHE = os.environ["RACER_CACHE"] = tempfile.mkdtemp(prefix="racer-test-cache-")
 
+# The custom_generate folder's test loads it as transformers loads remote code: into a
+# modules folder of the suite's own, not the user's.
+if os.environ.get("RACER_CACHE"):
+    os.environ.setdefault("HF_MODULES_CACHE", os.path.join(os.environ["RACER_CACHE"], "hf-modules"))
+
 import pytest
 import torch
 

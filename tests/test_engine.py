@@ -207,6 +207,19 @@ def test_generation_options_are_one_value_for_generate_and_stream(real):
         decoder.generate(PROMPT, max_tokens=3)
 
 
+def test_end_ids_replace_the_models_end_tokens(tiny):
+    from racer.engine import GenerationOptions
+
+    decoder = Decoder(tiny, None, "pld", check=False)
+    free = decoder.generate([5, 6, 7, 5, 6], max_new_tokens=20, end_ids=()).tokens
+    assert len(free) == 20
+    ended = decoder.generate([5, 6, 7, 5, 6], max_new_tokens=20, end_ids=[free[7]]).tokens
+    assert ended == free[: free.index(free[7]) + 1]
+    for bad in (["a"], [-1], 3, "2", [True]):
+        with pytest.raises(ValueError, match="end_ids"):
+            GenerationOptions(end_ids=bad)
+
+
 @pytest.mark.parametrize("method, sampling", [("racer:capacity=16", {}), ("token-recycling", {}),
                                               ("racer:capacity=16", {"temperature": 0.8, "batched": True}),
                                               ("pld", {"repetition_penalty": 1.3}),

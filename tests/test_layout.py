@@ -130,7 +130,7 @@ def test_no_module_hides_a_name_its_package_hands_on():
 # used (and tested) without the ones above. "racer" is the package's public API, which
 # the edges (the benchmark, the chat, the server, integrations) call.
 LAYERS = {"drafting": 0, "fastpaths": 0, "loading": 0, "budget": 1, "engine": 2, "racer": 3, "bench": 4,
-          "chat": 4, "serve": 4, "integrations": 4, "cli": 5}
+          "chat": 4, "serve": 4, "integrations": 4, "hf": 4, "cli": 5}
 
 
 def _layer(path: Path) -> str:

@@ -267,7 +267,8 @@ class BatchDecoder:
         else:
             result.restart(len(ids))
         request = _Request(self._next_id if request_id is None else request_id, ids, options, TokenChooser(options, self.verifier.device),
-                           Stopper(self.tokenizer, self.end_ids, options.stop, options.max_new_tokens),
+                           Stopper(self.tokenizer, self.end_ids if options.end_ids is None else set(options.end_ids),
+                                   options.stop, options.max_new_tokens),
                            result, scope, started)
         self._next_id = max(self._next_id, request.id) + 1
         self._waiting.append(request)

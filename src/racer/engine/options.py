@@ -20,12 +20,15 @@ class GenerationOptions(SamplingParams):
     strings that end generation right after the token completing one (the text leaves
     the stop string out); ``chat``: whether a text prompt is a user message put through
     the chat template (None, the default: when the tokenizer has one; False: raw text);
-    ``max_tree``: the most nodes verified per step."""
+    ``max_tree``: the most nodes verified per step; ``end_ids``: the tokens that end
+    generation (None, the default: the model's and the tokenizer's end-of-sequence ids;
+    empty: none, it runs to ``max_new_tokens``)."""
 
     max_new_tokens: int = 256
     stop: Sequence[str] | str | None = ()
     chat: bool | None = None
     max_tree: int = 1 << 16
+    end_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -38,6 +41,12 @@ class GenerationOptions(SamplingParams):
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop: expected non-empty strings, got {stop!r}")
         object.__setattr__(self, "stop", stops)
+        if self.end_ids is not None:
+            ends = self.end_ids
+            if isinstance(ends, (str, bytes)) or not hasattr(ends, "__iter__") or any(
+                    isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in ends):
+                raise ValueError(f"end_ids: expected token ids (non-negative integers) or None, got {ends!r}")
+            object.__setattr__(self, "end_ids", tuple(int(t) for t in ends))
         if self.chat not in (None, True, False):
             raise ValueError(f"chat: expected True, False or None (the chat template when there is one), "
                              f"got {self.chat!r}")
