@@ -119,25 +119,37 @@ def test_tree_too_deep_for_the_context_window_is_refused(tiny):
 
 
 def _sdpa_spy(monkeypatch):
+    """Every attention call of a pass: (query heads, KV heads, grouped in place), from
+    torch's SDPA and from tree attention's few-query products alike."""
+    import racer.fastpaths.attention as attention
+
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    few = attention.few_query_attention
 
     def spy(query, key, value, **kwargs):
         calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False)))
         return sdpa(query, key, value, **kwargs)
 
+    def few_spy(query, key, value, mask, scaling):
+        calls.append((query.shape[1], key.shape[1], True))
+        return few(query, key, value, mask, scaling)
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "few_query_attention", few_spy)
     return calls
 
 
 @needs_attention_interface
-@pytest.mark.parametrize("shape", ["tree", "chain"])
+@pytest.mark.parametrize("shape", ["tree", "chain", "long chain"])
 def test_tree_attention_reads_grouped_kv_heads_in_place(real, monkeypatch, shape):
     """On the real model (3 KV heads for 9 query heads), branching trees and chains of
-    several tokens attend to the cache's own KV heads: no layer sees them repeated."""
+    several tokens (a few: tree attention's stacked products; more: torch's grouped
+    SDPA) attend to the cache's own KV heads: no layer sees them repeated."""
     model, _ = real
     rng = np.random.default_rng(7)
-    tree = random_tree(rng, model.config.vocab_size, 9, 4) if shape == "tree" else chain(5, [6, 7, 8])
+    tree = (random_tree(rng, model.config.vocab_size, 9, 4) if shape == "tree" else chain(5, [6, 7, 8])
+            if shape == "chain" else chain(5, list(range(6, 30))))
     context = rng.integers(model.config.vocab_size, size=12).tolist()
     verifier = TreeVerifier(model)
     assert verifier.tree_attention is not None
@@ -153,6 +165,27 @@ def test_tree_attention_reads_grouped_kv_heads_in_place(real, monkeypatch, shape
     verifier.tree_attention = None  # the stock path: the same logits
     verifier.prefill(context)
     assert (verifier.verify(tree) - got).abs().max().item() <= tolerance(verifier.dtype, want.abs().max().item())
+
+
+@pytest.mark.parametrize("batch, queries, length", [(1, 1, 7), (3, 5, 40), (8, 16, 300), (2, 9, 1)])
+def test_few_query_attention_is_sdpas_math(batch, queries, length):
+    """Against torch's SDPA on grouped heads, with a tree mask (finfo.min where a node
+    may not look) that also masks whole padded rows."""
+    from racer.fastpaths.attention import few_query_attention
+
+    gen = torch.Generator().manual_seed(batch * 100 + queries)
+    query = torch.randn(batch, 9, queries, 64, generator=gen)
+    key, value = (torch.randn(batch, 3, length + queries, 64, generator=gen) for _ in range(2))
+    allowed = torch.rand(batch, 1, queries, length + queries, generator=gen) < 0.7
+    allowed[..., :1] = True
+    allowed[-1, :, -1] = False  # a padded row that may look nowhere
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    for scaling in (None, 0.11):
+        want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                                enable_gqa=True)
+        got = few_query_attention(query, key, value, mask, scaling)
+        assert got.shape == want.shape
+        assert (got - want).abs().max().item() < 1e-5
 
 
 @needs_attention_interface

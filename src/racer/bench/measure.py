@@ -92,41 +92,50 @@ def kernels(threads: int, repeats: int = 7) -> None:
         print(f"{size:>3} nodes: {row}   max |logit diff| {diff:.1e}, argmax differs on {flips}/{nodes} node-kernels")
 
 
-def attention(threads: int, repeats: int = 11, cached: int = 500) -> None:
-    """Tree passes with the stock SDPA path (the cache's KV heads repeated for the mask)
-    and with tree attention (``racer.fastpaths.attention``), interleaved on the same random trees
-    and chains: median ms per pass and the largest logit difference between the two."""
+def attention(threads: int, repeats: int = 11, cached: tuple[int, ...] = (500, 1500)) -> None:
+    """Tree passes with the stock SDPA path (the cache's KV heads repeated for the mask),
+    with tree attention's grouped SDPA kernel alone, and with tree attention as it runs
+    (a few queries a row: ``few_query_attention``'s stacked products), interleaved on the
+    same random trees and chains after caches of ``cached`` tokens: median ms per pass
+    and the largest logit difference from the stock path."""
+    from racer.fastpaths import attention as tree_attention
+
     torch.set_num_threads(threads)
     model, _ = racer.load_model()
     rng = np.random.default_rng(0)
-    verifier = TreeVerifier(model)
-    vocab = verifier.facts.vocab_size
-    grouped = verifier.tree_attention
-    if grouped is None:
-        print("tree attention does not apply to this model")
-        return
-    verifier.use_kernel("packed" if packed_weights(model) is not None else "model")
-    verifier.prefill(rng.integers(vocab, size=cached).tolist())
-    print(f"{threads} threads; ms per pass, median of {repeats}; cache {cached} tokens; "
-          f"{model.config.num_attention_heads} query heads, {model.config.num_key_value_heads} KV heads")
-    for shape in ("tree", "chain"):
-        for size in (2, 4, 8, 12, 16, 32):
-            seconds: dict[str, list[float]] = {"stock": [], "tree attention": []}
-            diff = 0.0
-            for _ in range(repeats):
-                tree = (random_tree(rng, vocab, size, max(1, min(size - 1, 6))) if shape == "tree"
-                        else chain(int(rng.integers(vocab)), rng.integers(vocab, size=size - 1).tolist()))
-                logits = []
-                for name in seconds:
-                    verifier.tree_attention = grouped if name == "tree attention" else None
-                    start = time.perf_counter()
-                    logits.append(verifier.verify(tree))
-                    seconds[name].append(time.perf_counter() - start)
-                    verifier.commit([], size)
-                diff = max(diff, float((logits[0] - logits[1]).abs().max()))
-            stock, grouped_ms = (1000 * statistics.median(v) for v in seconds.values())
-            print(f"{shape:>5} of {size:>2}: stock {stock:6.1f}   tree attention {grouped_ms:6.1f} "
-                  f"({grouped_ms / stock:.2f}x)   max |logit diff| {diff:.1e}")
+    few = tree_attention.FEW_QUERIES
+    print(f"{threads} threads; ms per pass, median of {repeats}; {model.config.num_attention_heads} query heads, "
+          f"{model.config.num_key_value_heads} KV heads")
+    for length in cached:
+        verifier = TreeVerifier(model)
+        vocab = verifier.facts.vocab_size
+        grouped = verifier.tree_attention
+        if grouped is None:
+            print("tree attention does not apply to this model")
+            return
+        verifier.use_kernel("packed" if packed_weights(model) is not None else "model")
+        verifier.prefill(rng.integers(vocab, size=length).tolist())
+        for shape in ("tree", "chain"):
+            for size in (2, 4, 8, 12, 16, 32):
+                variants = {"stock": (None, few), "grouped SDPA": (grouped, 0), "tree attention": (grouped, few)}
+                seconds: dict[str, list[float]] = {name: [] for name in variants}
+                diff = 0.0
+                for _ in range(repeats):
+                    tree = (random_tree(rng, vocab, size, max(1, min(size - 1, 6))) if shape == "tree"
+                            else chain(int(rng.integers(vocab)), rng.integers(vocab, size=size - 1).tolist()))
+                    logits = []
+                    for name, (switch, queries) in variants.items():
+                        verifier.tree_attention, tree_attention.FEW_QUERIES = switch, queries
+                        start = time.perf_counter()
+                        logits.append(verifier.verify(tree))
+                        seconds[name].append(time.perf_counter() - start)
+                        verifier.commit([], size)
+                    diff = max(diff, *(float((logits[0] - other).abs().max()) for other in logits[1:]))
+                tree_attention.FEW_QUERIES = few
+                ms = {name: 1000 * statistics.median(v) for name, v in seconds.items()}
+                print(f"cache {length:>5}, {shape:>5} of {size:>2}: "
+                      + "   ".join(f"{name} {v:6.1f} ({v / ms['stock']:.2f}x)" for name, v in ms.items())
+                      + f"   max |logit diff| {diff:.1e}")
 
 
 def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -> None:

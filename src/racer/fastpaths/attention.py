@@ -21,6 +21,10 @@ from typing import Any
 import torch
 
 NAME = "racer_tree_sdpa"
+# Up to this many query positions a row (a tree pass, not a prompt chunk), the stacked
+# products of ``few_query_attention`` beat torch's blocked CPU kernel
+# (``racer measure attention`` times both).
+FEW_QUERIES = 16
 # Keyword arguments with which some families' layers change the attention itself
 # (soft-capping, sinks, position biases, windows): those calls keep the stock path.
 _ALTERING = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
@@ -42,9 +46,31 @@ def tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
     if (not grouped or attention_mask is None or attention_mask.dim() != 4 or dropout
             or any(kwargs.get(name) is not None for name in _ALTERING)):
         return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                           scale=scaling, enable_gqa=True)
+    if (query.shape[2] <= FEW_QUERIES and attention_mask.is_floating_point()
+            and attention_mask.shape[:3] == (query.shape[0], 1, query.shape[2])):
+        out = few_query_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                        scaling: float | None) -> torch.Tensor:
+    """SDPA's math for a few query positions per row: the query heads that share a KV
+    head are stacked as rows of one product with it, so each KV head of the cache is
+    read once per pass, by two matrix products, instead of once per query head by the
+    blocked kernel, which for a few queries mostly waits on the cache.
+    ``query`` (B, H, q, d), ``key``/``value`` (B, Hkv, L, d), ``mask`` additive (B, 1, q, L)."""
+    batch, heads, queries, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = dim ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query.reshape(batch, kv_heads, groups * queries, dim), key.transpose(-1, -2))
+    scores = scores.mul_(scale).view(batch, kv_heads, groups, queries, length)
+    scores = scores.add_(mask.unsqueeze(2)).view(batch, kv_heads, groups * queries, length)
+    out = torch.matmul(torch.softmax(scores, dim=-1), value)
+    return out.view(batch, heads, queries, dim)
 
 
 class TreeAttention:
