@@ -154,9 +154,12 @@ def test_a_busy_port_is_said_before_anything_loads():
 
 
 def test_ctrl_c_ends_generate_with_what_it_has_and_status_130(real):
+    # As from a terminal: a suite started as a background job of a shell ignores SIGINT,
+    # and a Python started with it ignored keeps ignoring it.
     process = subprocess.Popen([sys.executable, "-m", "racer.cli", "generate", "Write a long story about a dragon.",
                                 "--max-new-tokens", "4000", "--threads", "1", "--method", "pld"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = process.stdout.read(40)  # the answer has begun to stream
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
