@@ -227,11 +227,17 @@ class _Stops:
 
     def stop_string_at(self, row: torch.Tensor, tokens: list[int], start: int) -> int | None:
         """The count of ``tokens`` after which a stop string ends the row, checking from
-        token ``start`` on (``row``: its prompt, as generate holds it)."""
+        token ``start`` on (``row``: its prompt, as generate holds it). A criterion reads
+        only the last ``maximum_token_len`` ids of a sequence, so only those are built."""
         if not self.strings:
             return None
+        window = max(criterion.maximum_token_len for criterion in self.strings)
+        before = (row[-window:].tolist() + tokens[max(0, start - window) : start])[-window:]
+        context = before + tokens[start:]
         for end in range(start + 1, len(tokens) + 1):
-            ids = torch.cat([row, torch.tensor(tokens[:end], dtype=row.dtype, device=row.device)])[None]
+            upto = len(before) + end - start
+            tail = context[max(0, upto - window) : upto]
+            ids = torch.tensor([tail], dtype=row.dtype, device=row.device)
             if any(bool(criterion(ids, None)[0]) for criterion in self.strings):
                 return end
         return None
@@ -331,8 +337,9 @@ class _Decoding:
                         self._add(row, update.tokens, update.done)
                 if self.stops.deadline is not None and time.time() > self.stops.deadline:
                     self.done = [True] * len(self.done)
+                flying = set(engine.in_flight)
                 for row, request in enumerate(ids):
-                    if self.done[row] and request in engine.in_flight:
+                    if self.done[row] and request in flying:
                         engine.cancel(request)
                 self._stream()
             while any(request in engine.in_flight for request in ids):  # the cancelled ones
