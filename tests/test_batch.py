@@ -71,6 +71,19 @@ def test_a_cancelled_request_frees_its_row_and_the_others_go_on(tiny_model):
     assert batch.rows.lengths == [] and batch.active == 0
 
 
+@pytest.mark.parametrize("max_batch, joined, held", [(8, 3, 4), (8, 5, 8), (3, 3, 3), (8, 1, 1)])
+def test_the_slot_cache_grows_its_rows_by_doubling_up_to_the_batch(tiny_model, max_batch, joined, held):
+    """Rows are allocated 1, 2, 4, ... up to ``max_batch`` (each growth copies every
+    layer's buffers), never past it."""
+    batch = BatchDecoder(tiny_model, None, "none", max_batch=max_batch, cost=shared_cost())
+    for prompt in tiny_prompts()[:joined]:
+        batch.submit(prompt, max_new_tokens=24)
+    while batch.waiting:
+        batch.step()
+    assert batch.active == joined
+    assert {layer._keys.shape[0] for layer in batch.rows.slots.slot_layers} == {held}
+
+
 def test_stop_and_limits_end_each_request_on_its_own(tiny_model):
     prompts = tiny_prompts()[:3]
     batch = BatchDecoder(tiny_model, None, "pld", max_batch=3)

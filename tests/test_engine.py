@@ -328,6 +328,45 @@ def test_a_prompt_window_hands_the_drafter_the_prompts_last_rows(window):
         BatchDecoder(model, None, "none", prompt_window=-1)
 
 
+class LatestPromptRows(PromptRows):
+    """Reads only each prompt token's latest row (``Needs.prompt_rows``)."""
+
+    needs = Needs(topk=3, prompt=True, prompt_rows="latest")
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_latest_prompt_rows_are_computed_at_each_tokens_last_position_only(window):
+    """With ``prompt_rows="latest"`` the rows at each token's latest position (within
+    the rows handed over) are the model's predictions there and every other row is -1,
+    in one pass or in chunks; a copy-logit table written from them is the table
+    written from every row."""
+    import torch
+
+    from conftest import make_tiny_llama
+    from racer import BatchDecoder
+    from racer.drafting.copy_logit import CopyLogitTable
+
+    model = make_tiny_llama()
+    prompt = [5, 17, 42, 8, 5, 17, 9, 3, 21, 7, 5, 14, 5, 9]
+    with torch.no_grad():
+        expected = torch.topk(model(torch.tensor([prompt])).logits[0], 3, dim=-1).indices.numpy()
+    rows = len(prompt) if window == 0 else window
+    covered = prompt[len(prompt) - rows :]
+    latest = [i for i, t in enumerate(covered) if t not in covered[i + 1 :]]
+    for chunk in (64, 4):
+        drafter = LatestPromptRows()
+        BatchDecoder(model, None, drafter, max_batch=1, prefill_chunk=chunk, prompt_window=window).generate_all(
+            [prompt], max_new_tokens=2)
+        assert drafter.rows.shape == (rows, 3)
+        assert (drafter.rows[latest] == expected[len(prompt) - rows :][latest]).all()
+        others = [i for i in range(rows) if i not in latest]
+        assert others and (drafter.rows[others] == -1).all()
+        every, some = CopyLogitTable(3), CopyLogitTable(3)
+        every.write(covered, expected[len(prompt) - rows :])
+        some.write(covered, drafter.rows)
+        assert some.rows == every.rows
+
+
 def _prompt_tables(engine, prompts, max_new_tokens=2):
     """The ``prompt_topk`` each prompt's drafter began with, and (prompt ids, answer)
     pairs."""
@@ -385,11 +424,75 @@ def test_the_prompts_predictions_after_the_first_token_are_those_of_the_prefill_
 
     model, tokenizer = real
     prompts = [q.prompt for q in lossless_questions()[:4]]
-    after, answers = _prompt_tables(BatchDecoder(model, tokenizer, "racer", max_batch=1, check=False), prompts, 8)
+    engine = BatchDecoder(model, tokenizer, "racer", max_batch=1, check=False)
+    engine.prompt_head.kernels = None  # the head on the model's own layer, as the pass computes it
+    after, answers = _prompt_tables(engine, prompts, 8)
     in_pass = BatchDecoder(model, tokenizer, "racer", max_batch=1, check=False)
     in_pass.prompt_head.trusted = False
     during, _ = _prompt_tables(in_pass, prompts, 8)
     assert all(a.shape == d.shape and (a == d).all() for a, d in zip(after, during))
     assert all(a.shape[0] > 40 for a in after)
+    # racer reads each token's latest row only: the others were never computed.
+    for (ids, _), rows in zip(answers, after):
+        computed = (rows[:, 0] >= 0).tolist()
+        assert computed == [t not in ids[i + 1 :] for i, t in enumerate(ids)]
     assert len(answers) == len(prompts)
     assert all(answer == hf_greedy(model, ids, 8) for ids, answer in answers)
+
+
+def test_the_prompt_head_on_packed_weights_ranks_as_the_models_layer(real):
+    """Where the verifier built oneDNN-packed weights, the prompt's LM head runs on them:
+    on the embedded model over real prompts, its top ids are the model layer's at every
+    position except where the layer's own logits nearly tie at the ranks that differ
+    (rounding of another summation order), and no kept row differs at all in most
+    prompts."""
+    import torch
+
+    from conftest import lossless_questions
+    from racer.engine.options import GenerationOptions, request_ids
+    from racer.engine.prompt_head import PromptHead
+    from racer.fastpaths.kernels import LinearKernels, packed_weights
+
+    model, tokenizer = real
+    if packed_weights(model) is None:
+        pytest.skip("no oneDNN-packed weights on this machine")
+    kernels = LinearKernels(model)
+    packed, plain = PromptHead(model, kernels), PromptHead(model)
+    used = []
+    using = kernels.using
+    kernels.using = lambda kernel: used.append(kernel) or using(kernel)
+    differing = rows = 0
+    for question in lossless_questions()[:6]:
+        ids = request_ids(tokenizer, question.prompt, GenerationOptions(), 8192)
+        with torch.inference_mode(), plain.capture() as hidden:
+            last = model(torch.tensor([ids]), logits_to_keep=1).logits[0]
+            ours = packed.top_ids(hidden[0], last, 8)
+            theirs = plain.top_ids(hidden[0], last, 8)
+            logits = model.lm_head(hidden[0])
+        for position in (ours != theirs).any(axis=1).nonzero()[0]:
+            ranked = torch.sort(logits[position], descending=True).values
+            first = int((ours[position] != theirs[position]).nonzero()[0][0])
+            assert float(ranked[first] - ranked[first + 1]) < 1e-3 * float(ranked[0].abs())
+            differing += 1
+        rows += len(ids)
+    assert used and set(used) == {"hybrid"}
+    assert packed.trusted and differing <= rows // 1000 + 1
+
+
+def _bad_needs():
+    return [dict(topk=3, prompt=True, prompt_rows="first"), dict(topk=3, prompt=True, prompt_rows=None)]
+
+
+@pytest.mark.parametrize("fields", _bad_needs())
+def test_needs_names_a_bad_prompt_rows(fields):
+    with pytest.raises(ValueError, match="prompt_rows"):
+        Needs(**fields)
+
+
+def test_latest_positions_and_spread():
+    from racer.engine.prompt_head import latest_positions, spread
+
+    assert latest_positions([3, 1, 3, 2, 1]).tolist() == [2, 3, 4]
+    assert latest_positions([7]).tolist() == [0]
+    rows = spread(np.array([[1, 2], [3, 4]]), np.array([1, 3]), 4)
+    assert rows.tolist() == [[-1, -1], [1, 2], [-1, -1], [3, 4]]

@@ -173,3 +173,14 @@ def test_retrieval_evidence_matches_brute_force_counts():
         stem = (context[:-1] + [root])[-border:]  # the border is a suffix of context + root
         for i, ratio in enumerate(ratios):
             assert ratio == pytest.approx(count(stem + path[: i + 1]) / count(stem + path[:i]))
+
+
+def test_a_copy_logit_row_of_minus_ones_writes_nothing():
+    """Rows the engine did not compute (``Needs.prompt_rows="latest"``) are -1 and
+    leave the table as it was; later rows still overwrite earlier ones."""
+    table = CopyLogitTable(3)
+    table.write([4, 9, 4], np.array([[1, 2, 3], [5, 6, 7], [-1, -1, -1]]))
+    assert table.rows == {4: (1, 2, 3), 9: (5, 6, 7)}
+    table.write([4, 4], np.array([[-1, -1, -1], [8, 7, 6]]))
+    assert table.row(4) == (8, 7, 6)
+

@@ -131,9 +131,9 @@ def _sdpa_spy(monkeypatch):
         calls.append((query.shape[1], key.shape[1], kwargs.get("enable_gqa", False)))
         return sdpa(query, key, value, **kwargs)
 
-    def few_spy(query, key, value, mask, scaling):
+    def few_spy(query, key, value, mask, scaling, *spans):
         calls.append((query.shape[1], key.shape[1], True))
-        return few(query, key, value, mask, scaling)
+        return few(query, key, value, mask, scaling, *spans)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     monkeypatch.setattr(attention, "few_query_attention", few_spy)
@@ -186,6 +186,63 @@ def test_few_query_attention_is_sdpas_math(batch, queries, length):
         got = few_query_attention(query, key, value, mask, scaling)
         assert got.shape == want.shape
         assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("spans, per_row", [((12, 40, 7), True), ((40, 38, 40), False), ((5, 40), True)])
+def test_few_query_attention_over_row_spans_is_the_padded_math(monkeypatch, spans, per_row):
+    """Rows whose masks allow nothing past their spans: computed row by row over their
+    own spans where padding would be most of the work, batched otherwise; the same
+    values as the padded products and as torch's SDPA."""
+    import racer.fastpaths.attention as attention
+
+    batch, queries, length = len(spans), 4, max(spans)
+    gen = torch.Generator().manual_seed(sum(spans))
+    query = torch.randn(batch, 9, queries, 64, generator=gen)
+    key, value = (torch.randn(batch, 3, length, 64, generator=gen) for _ in range(2))
+    allowed = torch.rand(batch, 1, queries, length, generator=gen) < 0.7
+    allowed[..., :1] = True
+    for row, span in enumerate(spans):
+        allowed[row, ..., span:] = False
+        key[row, :, span:] = float("nan") if per_row else 0.0  # never read where rows go one by one
+    mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    shapes = []
+    products = attention._grouped_products
+    monkeypatch.setattr(attention, "_grouped_products",
+                        lambda q, k, *rest: shapes.append(k.shape[2]) or products(q, k, *rest))
+    got = attention.few_query_attention(query, key, value, mask, None, spans)
+    assert shapes == (list(spans) if per_row else [length])
+    clean = key.nan_to_num(0.0)
+    want = torch.nn.functional.scaled_dot_product_attention(query, clean, value, attn_mask=mask, enable_gqa=True)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (got - products(query, clean, value, mask, None)).abs().max().item() < 1e-5
+
+
+@needs_attention_interface
+def test_a_batched_pass_tells_tree_attention_each_rows_span(real, monkeypatch):
+    """On the real model, a batch of a short and a long prompt: every layer's few-query
+    products get each row's span (its context and the pass's nodes), the short row is
+    attended over its own span alone, and both answers are plain greedy decoding's."""
+    import racer.fastpaths.attention as attention
+    from conftest import hf_greedy
+    from racer.engine.loop import BatchDecoder
+
+    model, tokenizer = real
+    rng = np.random.default_rng(3)
+    short = rng.integers(100, 5000, size=12).tolist()
+    long = (rng.integers(100, 5000, size=60).tolist() * 5)[:300]
+    seen = []
+    few = attention.few_query_attention
+
+    def spy(query, key, value, mask, scaling, spans=None):
+        seen.append((key.shape[2], query.shape[2], None if spans is None else list(spans)))
+        return few(query, key, value, mask, scaling, spans)
+
+    monkeypatch.setattr(attention, "few_query_attention", spy)
+    batch = BatchDecoder(model, tokenizer, "racer:capacity=8", max_batch=2, check=False)
+    first, second = batch.generate_all([short, long], max_new_tokens=12)
+    batched = [(length, nodes, spans) for length, nodes, spans in seen if spans is not None and len(spans) == 2]
+    assert batched and all(max(spans) == length and min(spans) < length / 2 for length, _, spans in batched)
+    assert first.tokens == hf_greedy(model, short, 12) and second.tokens == hf_greedy(model, long, 12)
 
 
 @needs_attention_interface

@@ -18,6 +18,7 @@ import numpy as np
 from racer.drafting.tree import DraftTree
 
 _AT = ("tree", "last")
+_PROMPT_ROWS = ("every", "latest")
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,15 @@ class Needs:
     the last logits needs). ``prompt``: also at the prompt's positions after prefill
     (its last ones: the full-vocabulary logits cost a pass's LM head per position);
     without it, a drafter with ``topk`` sees one row, the prediction after the whole
-    prompt."""
+    prompt. ``prompt_rows``: "every" prompt position's row, or "latest": only the rows
+    at each input token's most recent position are read (a table keyed by the token in
+    which later rows overwrite earlier ones, as ``CopyLogitTable``), so the engine
+    computes only those and the others hold -1."""
 
     topk: int = 0
     at: str = "tree"
     prompt: bool = False
+    prompt_rows: str = "every"
 
     def __post_init__(self) -> None:
         if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 0:
@@ -42,6 +47,9 @@ class Needs:
             raise ValueError(f"needs: at: expected one of {', '.join(_AT)}, got {self.at!r}")
         if self.prompt and not self.topk:
             raise ValueError("needs: prompt top-k asked for with topk=0")
+        if self.prompt_rows not in _PROMPT_ROWS:
+            raise ValueError(f"needs: prompt_rows: expected one of {', '.join(_PROMPT_ROWS)}, "
+                             f"got {self.prompt_rows!r}")
 
 
 class Drafter(ABC):
@@ -75,9 +83,10 @@ class Drafter(ABC):
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         """A new request. With ``needs.prompt``, ``prompt_topk`` holds the top ids
         predicted at the prompt's last positions (the engine's ``prompt_window`` of them,
-        or all): row ``i`` after ``prompt[: len(prompt) - len(prompt_topk) + i + 1]``;
-        otherwise one row, the prediction after the whole prompt; None when
-        ``needs.topk`` is 0."""
+        or all): row ``i`` after ``prompt[: len(prompt) - len(prompt_topk) + i + 1]``
+        (with ``needs.prompt_rows == "latest"``, -1 where that is not its token's
+        latest position); otherwise one row, the prediction after the whole prompt;
+        None when ``needs.topk`` is 0."""
 
     @abstractmethod
     def draft(self, root: int, budget: int) -> DraftTree:

@@ -34,10 +34,12 @@ class CopyLogitTable:
         return self.rows.get(token, ())
 
     def write(self, tokens: Sequence[int], topk: np.ndarray) -> None:
-        """Row ``tokens[i]`` := ``topk[i, :k]``; later entries overwrite earlier ones."""
+        """Row ``tokens[i]`` := ``topk[i, :k]``; later entries overwrite earlier ones.
+        A row of -1 (a prediction not computed: ``Needs.prompt_rows``) writes nothing."""
         rows = self.rows
         for token, ids in zip(tokens, topk[:, : self.k].tolist()):
-            rows[int(token)] = tuple(ids)
+            if ids and ids[0] >= 0:
+                rows[int(token)] = tuple(ids)
 
 
 def child_breadth(breadth: int, rank: int, parent_depth: int) -> int:

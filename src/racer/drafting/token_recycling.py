@@ -48,7 +48,7 @@ class TokenRecyclingDrafter(Drafter):
         if memory not in ("kept", "fresh"):
             raise ValueError(f"token-recycling: memory: expected kept or fresh, got {memory!r}")
         self.prefill, self.memory = bool(prefill), memory
-        self.needs = Needs(topk=TEMPLATE_WIDTH, prompt=self.prefill)
+        self.needs = Needs(topk=TEMPLATE_WIDTH, prompt=self.prefill, prompt_rows="latest")
         self.table = CopyLogitTable(TEMPLATE_WIDTH)
 
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:

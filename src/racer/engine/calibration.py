@@ -271,7 +271,7 @@ class BatchedPassTimer:
             prefill = TreeVerifier(self.model, self.verifier.fast_paths, self.verifier.facts, self.verifier.layout)
             rng = np.random.default_rng(0)
             prefill.prefill([int(t) for t in rng.integers(vocab, size=cached)])
-            self.store = SlotRows(self.verifier, self.model.config)
+            self.store = SlotRows(self.verifier, self.model.config, rows=self.most)
             for _ in range(self.most):
                 self.store.admit(prefill)
             self.context = cached

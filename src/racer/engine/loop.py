@@ -34,7 +34,7 @@ from racer.engine.host import to_host
 from racer.engine.memory import DraftSession, DrafterMemory
 from racer.engine.model_facts import ModelFacts
 from racer.engine.options import GenerationOptions, request_ids
-from racer.engine.prompt_head import PromptHead
+from racer.engine.prompt_head import PromptHead, latest_positions, spread
 from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
 from racer.engine.rows import OneRow, Rows, SlotRows
@@ -156,12 +156,12 @@ class BatchDecoder:
         if check:
             self_test(model)
         self.verifier = TreeVerifier(model, self.fast_paths, self.facts)
-        self.prompt_head = PromptHead(model)
+        self.prompt_head = PromptHead(model, self.verifier.kernels if self.fast_paths.kernels else None)
         # The self-test past the model's windows waits for the first pass that reaches one.
         self._windows = WindowCheck(model, self.verifier.layout, self.verifier.max_positions, check)
         self.prefix_cache_mib = prefix_cache_mib
         self.rows: Rows = (OneRow(self.verifier) if max_batch == 1
-                           else SlotRows(self.verifier, model.config, prefix_cache_mib << 20))
+                           else SlotRows(self.verifier, model.config, prefix_cache_mib << 20, max_batch))
         self.end_ids = end_token_ids(self.facts.end_ids, tokenizer)
         self.needs = self.method.drafter.needs
         # Attached now, so that a drafter that cannot serve this model (a datastore of
@@ -410,12 +410,18 @@ class BatchDecoder:
         prompt_topk = None
         if self.needs.topk:
             rows = torch.cat(request.logits)
+            covered, at = len(rows), None
+            if self.needs.prompt_rows == "latest" and covered > 1:
+                at = latest_positions(request.ids[len(request.ids) - len(rows) :])
+                rows = rows[torch.from_numpy(at).to(rows.device)]
             if request.deferred:
                 prompt_topk = self.prompt_head.top_ids(rows, request.last_logits, self.needs.topk)
                 if prompt_topk is None:  # this model's head is its own: its last position only
-                    prompt_topk = top_ids(request.last_logits, self.needs.topk)
+                    prompt_topk, at = top_ids(request.last_logits, self.needs.topk), None
             else:
                 prompt_topk = top_ids(rows, self.needs.topk)
+            if at is not None:
+                prompt_topk = spread(prompt_topk, at, covered)
         request.session = self.memory.begin(request.scope, request.ids, prompt_topk)
         request.logits, request.last_logits = [], None
         request.result.prefill_s += time.perf_counter() - start

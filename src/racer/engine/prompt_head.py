@@ -17,15 +17,31 @@ in the prefill pass, from then on.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from racer.engine.host import to_host
+from racer.fastpaths.kernels import LinearKernels
 
 HEAD_CHUNK = 256  # prompt positions per LM-head product: bounds the logits held at once
+
+
+def latest_positions(tokens: Sequence[int]) -> np.ndarray:
+    """The positions at which each of ``tokens`` occurs for the last time, ascending
+    (the last position always among them)."""
+    values = np.asarray(tokens, dtype=np.int64)
+    _, first_from_end = np.unique(values[::-1], return_index=True)
+    return np.sort(len(values) - 1 - first_from_end)
+
+
+def spread(rows: np.ndarray, at: np.ndarray, length: int) -> np.ndarray:
+    """``rows`` placed at positions ``at`` of ``length`` rows, -1 at the others."""
+    out = np.full((length, rows.shape[1]), -1, dtype=rows.dtype)
+    out[at] = rows
+    return out
 
 
 def _decoder(model: Any) -> Any:
@@ -39,9 +55,14 @@ class PromptHead:
     """Captures a model's final hidden states in prefill passes, and turns them into
     the top ids of the LM head later."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, kernels: LinearKernels | None = None) -> None:
+        """``kernels``: where given and the verifier's kernels have built oneDNN-packed
+        weights, the head's products run on the packed copy ("hybrid"), which computes
+        this wide product faster than the model's own layer (never built for this alone:
+        the copy doubles the weights' memory)."""
         self.base = _decoder(model)
         self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.kernels = kernels
         # None: not checked yet; False: this model's head is not what ``top_ids`` computes.
         self.trusted: bool | None = None if self.base is not None and self.base is not model and self.head is not None \
             else False
@@ -77,11 +98,17 @@ class PromptHead:
         never again for this model) where the two disagree there."""
         rows = []
         with torch.inference_mode():
-            for start in range(0, hidden.shape[0], HEAD_CHUNK):
-                logits = self.head(hidden[start : start + HEAD_CHUNK])
-                rows.append(torch.topk(logits, k, dim=-1).indices)
-            ids = to_host(torch.cat(rows))
             if self.trusted is None:
+                # Checked with the model's own layer, as ``last_logits`` were computed:
+                # another kernel's rounding could reorder a near tie at rank k.
+                mine = to_host(torch.topk(self.head(hidden[-1:]), k, dim=-1).indices)
                 own = to_host(torch.topk(last_logits[-1:], k, dim=-1).indices)
-                self.trusted = set(ids[-1].tolist()) == set(own[0].tolist())
-        return ids if self.trusted else None
+                self.trusted = set(mine[0].tolist()) == set(own[0].tolist())
+                if not self.trusted:
+                    return None
+            packed = self.kernels is not None and self.kernels.ready("hybrid")
+            with self.kernels.using("hybrid") if packed else nullcontext():
+                for start in range(0, hidden.shape[0], HEAD_CHUNK):
+                    logits = self.head(hidden[start : start + HEAD_CHUNK])
+                    rows.append(torch.topk(logits, k, dim=-1).indices)
+            return to_host(torch.cat(rows))

@@ -98,9 +98,9 @@ class OneRow:
 class SlotRows:
     """Many requests in one ``SlotCache``, verified together."""
 
-    def __init__(self, verifier: TreeVerifier, config: Any, prefix_bytes: int = 0) -> None:
+    def __init__(self, verifier: TreeVerifier, config: Any, prefix_bytes: int = 0, rows: int = 1) -> None:
         self.verifier = verifier
-        self.slots = SlotCache(config)
+        self.slots = SlotCache(config, rows)
         self.prefixes = PrefixStore(prefix_bytes if self.slots.every_layer_in_slots else 0)
 
     @property
@@ -155,7 +155,9 @@ class SlotRows:
         self.slots.begin_pass(nodes, device)
         mask = self._masks(trees, nodes)
         linear = v.kernels.using(v.kernel_of(rows * nodes))
-        attention = v.tree_attention if v.tree_attention is not None else nullcontext()
+        # Row b's nodes sit at lengths[b].. and it attends to nothing past them.
+        attention = (v.tree_attention.spans([length + nodes for length in lengths])
+                     if v.tree_attention is not None else nullcontext())
         with linear, attention, indexed_windows(v.layout, mask) as model_mask:
             return v.forward(ids.to(device), positions.to(device), model_mask, nodes, cache=self.slots.cache,
                              batched=True)

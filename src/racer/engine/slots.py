@@ -25,7 +25,8 @@ class SlotState:
     """What every layer of one slot cache shares: each active row's length (host ints)
     and, during a pass, where each row writes and how far the pass attends."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 1) -> None:
+        self.max_rows = rows  # rows grow by doubling up to this (row by row would copy every layer each time)
         self.lengths: list[int] = []
         self.offsets: torch.Tensor | None = None  # (B,) write positions of the pass
         self.span = 0  # positions attended in the pass: the longest row + the pass's nodes
@@ -56,6 +57,8 @@ def _slot_layer_class() -> Any:
             if rows <= have_rows and positions <= have_positions:
                 return
             new_rows, new_positions = max(rows, have_rows), max(positions, have_positions)
+            if rows > have_rows:
+                new_rows = max(rows, min(2 * have_rows, self.state.max_rows))
             if positions > have_positions:
                 new_positions = max(2 * positions, _MIN_POSITIONS)
             keys = like_k.new_zeros(new_rows, like_k.shape[1], new_positions, like_k.shape[3])
@@ -109,12 +112,13 @@ class SlotCache:
     the operations of a batch: ``admit`` a prefilled request into a new row, ``release``
     a row, ``compact`` a row's accepted path."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, rows: int = 1) -> None:
+        """``rows``: the most requests it will hold (its rows grow by doubling up to it)."""
         from transformers import DynamicCache
 
         if SlotLayer is None:
             raise RuntimeError("batched decoding needs per-layer KV caches: transformers >= 4.56")
-        self.state = SlotState()
+        self.state = SlotState(rows)
         self.cache = DynamicCache(config=config)
         for index, layer in enumerate(self.cache.layers):
             if holds_plain_kv(layer):

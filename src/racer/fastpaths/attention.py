@@ -16,7 +16,9 @@ a model shared between threads must not run another forward pass at the same tim
 from __future__ import annotations
 
 import sys
-from typing import Any
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -25,6 +27,13 @@ NAME = "racer_tree_sdpa"
 # products of ``few_query_attention`` beat torch's blocked CPU kernel
 # (``racer measure attention`` times both).
 FEW_QUERIES = 16
+# Rows attend one by one over their own spans where padding to the longest row would be
+# more than this share of the positions attended (the per-row products cost a few
+# small calls a layer each).
+PADDED_SHARE = 0.25
+# Each row's span (its context and the pass's nodes) during a batched pass, set by the
+# caller around the pass (``TreeAttention.spans``).
+_ROW_SPANS: ContextVar[Sequence[int] | None] = ContextVar("racer_row_spans", default=None)
 # Keyword arguments with which some families' layers change the attention itself
 # (soft-capping, sinks, position biases, windows): those calls keep the stock path.
 _ALTERING = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
@@ -48,7 +57,8 @@ def tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
         return _stock_sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if (query.shape[2] <= FEW_QUERIES and attention_mask.is_floating_point()
             and attention_mask.shape[:3] == (query.shape[0], 1, query.shape[2])):
-        out = few_query_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling)
+        out = few_query_attention(query, key, value, attention_mask[..., : key.shape[2]], scaling,
+                                  _ROW_SPANS.get())
     else:
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                scale=scaling, enable_gqa=True)
@@ -56,12 +66,29 @@ def tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                        scaling: float | None) -> torch.Tensor:
+                        scaling: float | None, spans: Sequence[int] | None = None) -> torch.Tensor:
     """SDPA's math for a few query positions per row: the query heads that share a KV
     head are stacked as rows of one product with it, so each KV head of the cache is
     read once per pass, by two matrix products, instead of once per query head by the
     blocked kernel, which for a few queries mostly waits on the cache.
-    ``query`` (B, H, q, d), ``key``/``value`` (B, Hkv, L, d), ``mask`` additive (B, 1, q, L)."""
+    ``query`` (B, H, q, d), ``key``/``value`` (B, Hkv, L, d), ``mask`` additive (B, 1, q, L).
+    ``spans``: row b attends to nothing past its first ``spans[b]`` positions (its mask
+    says so); where padding every row to L would be mostly such positions, each row is
+    computed over its own span (what lies past it has zero weight in the softmax)."""
+    batch, length = query.shape[0], key.shape[2]
+    if (spans is not None and batch > 1 and len(spans) == batch and max(spans) <= length
+            and sum(spans) < (1 - PADDED_SHARE) * batch * length):
+        out = query.new_empty(query.shape)
+        for row, span in enumerate(spans):
+            out[row : row + 1] = _grouped_products(query[row : row + 1], key[row : row + 1, :, :span],
+                                                   value[row : row + 1, :, :span], mask[row : row + 1, ..., :span],
+                                                   scaling)
+        return out
+    return _grouped_products(query, key, value, mask, scaling)
+
+
+def _grouped_products(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor:
     batch, heads, queries, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
@@ -90,6 +117,17 @@ class TreeAttention:
     def __exit__(self, *exc: Any) -> None:
         for config, saved in zip(self.configs, self._saved):
             config._attn_implementation = saved
+
+    @contextmanager
+    def spans(self, spans: Sequence[int]) -> Iterator["TreeAttention"]:
+        """This switch, for a batched pass in which row b attends to nothing past its
+        first ``spans[b]`` cache positions (``few_query_attention``)."""
+        token = _ROW_SPANS.set(list(spans))
+        try:
+            with self:
+                yield self
+        finally:
+            _ROW_SPANS.reset(token)
 
 
 def tree_attention(model: Any, device: str) -> TreeAttention | None:

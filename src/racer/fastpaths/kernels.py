@@ -133,6 +133,13 @@ class LinearKernels:
             raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
         return kernel not in _NEEDS_PACKED or packed_weights(self.model) is not None
 
+    def ready(self, kernel: str) -> bool:
+        """Whether ``kernel`` can run now without building anything (packed weights
+        already built for this model, or none needed)."""
+        if kernel not in _NEEDS_PACKED:
+            return kernel in KERNELS
+        return bool(_packed.get(self.model))
+
     def prepare(self, kernel: str) -> None:
         """Build what ``kernel`` needs (packed weights, the layers' forwards) now, not
         inside the first timed pass."""
