@@ -365,6 +365,30 @@ def test_models_health_and_metrics(server, client):
         assert name in text
 
 
+def test_usage_says_how_many_prompt_tokens_a_kept_prefix_gave(server, client):
+    """The same long prompt twice: the first is prefilled whole (``cached_tokens`` 0),
+    the second starts from the first's kept KV (every token but the last, which is
+    computed for its logits), as OpenAI's ``prompt_tokens_details`` reports prompt
+    caching; the answers are the same and ``/metrics`` counts the cached tokens."""
+    import re
+
+    content = " ".join(f"Item {i}: a lantern, a rope and {i} maps of the northern coast." for i in range(12))
+    messages = [{"role": "user", "content": content + " Which item has the most maps?"}]
+    before = get(server, "/metrics").text
+    first, second = (client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=8,
+                                                    temperature=0) for _ in range(2))
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens > 64
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+    def cached(text):
+        found = re.search(r"^racer_prompt_tokens_cached_total (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    assert cached(get(server, "/metrics").text) - cached(before) == second.usage.prompt_tokens - 1
+
+
 def _events(response) -> list[dict]:
     events = []
     for line in response.read().decode().split("\n"):

@@ -283,7 +283,7 @@ async def complete(served: Served, kind: str, http: HttpRequest) -> Any:
     served.metrics.api("detokenize", time.perf_counter() - timed)
     served.metrics.finished(result, time.perf_counter() - started)
     return protocol.response(request, served.name, text, _FINISH.get(result.stop_reason, "stop"),
-                             protocol.usage(len(ids), len(result.tokens)), stats)
+                             protocol.usage(len(ids), len(result.tokens), result.prompt_reused), stats)
 
 
 def _ended(event: Event) -> Any:
@@ -375,7 +375,7 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
         metrics.finished(result, time.perf_counter() - started)
         if request.include_usage:
             stats = _stats(result, spans.spans(0, len(result.text))) if spans is not None else None
-            yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens)), stats))
+            yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens), result.prompt_reused), stats))
         yield b"data: [DONE]\n\n"
     finally:
         if result is None:  # the client went away (or the request failed): free its row

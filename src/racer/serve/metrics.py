@@ -12,7 +12,7 @@ from racer.serve.protocol import draft_counts
 
 class Metrics:
     """Requests by route and status, queue length and batch size, completion tokens,
-    passes and draft tokens proposed, verified and accepted (tokens/s and MAT are their
+    prompt tokens and those a kept prefix gave, passes and draft tokens proposed, verified and accepted (tokens/s and MAT are their
     rates and ratios), request latency, and where the time goes: the engine's seconds by
     part (``racer.serve.events.Stepped``) and the API side's (``prepare``: parsing,
     templating, tokenizing; ``detokenize``: text and stop strings; ``respond``: the
@@ -27,6 +27,9 @@ class Metrics:
         self.idle = Gauge("racer_idle_drafters", "drafters kept for later requests of their memory scope",
                           registry=r)
         self.tokens = Counter("racer_completion_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("racer_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("racer_prompt_tokens_cached",
+                                     "prompt tokens whose KV a kept prefix gave (not prefilled)", registry=r)
         self.passes = Counter("racer_verification_passes", "verification passes, summed over requests",
                               registry=r)
         self.proposed = Counter("racer_draft_tokens_proposed", "draft tokens the drafters proposed", registry=r)
@@ -54,6 +57,8 @@ class Metrics:
 
     def finished(self, result: Any, seconds: float) -> None:
         self.tokens.inc(len(result.tokens))
+        self.prompt_tokens.inc(result.prompt_tokens)
+        self.cached_tokens.inc(result.prompt_reused)
         self.passes.inc(result.passes)
         counts = draft_counts(result.steps)
         self.proposed.inc(counts["draft_tokens_proposed"])

@@ -298,9 +298,12 @@ def draft_counts(steps: list) -> dict:
             "draft_tokens_accepted": sum(s.accepted for s in steps)}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: leading prompt tokens whose KV a kept
+    prefix gave (``prompt_tokens_details``, as OpenAI reports prompt caching)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def response(request: Request, served: str, text: str, finish: str, used: dict, stats: dict | None) -> dict:
