@@ -87,7 +87,8 @@ class RacerDrafter(Drafter):
         self.last_logit, self.accepted_only = logits == "last", update == "accepted"
         self.fresh = memory in ("fresh", "shared")
         # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
-        self.needs = Needs(topk=k + 1 if self.last_logit else k, prompt=True, prompt_rows="latest") if self.use_logits else Needs()
+        self.needs = (Needs(topk=k + 1 if self.last_logit else k, prompt=True, prompt_rows="latest")
+                      if self.use_logits else Needs())
         self.automaton = NgramAutomaton(n, nodes)
         self.table = CopyLogitTable(k)
         self._last_row: tuple[int, ...] = ()

@@ -375,7 +375,8 @@ async def _stream(served: Served, request: protocol.Request, ids: list[int], box
         metrics.finished(result, time.perf_counter() - started)
         if request.include_usage:
             stats = _stats(result, spans.spans(0, len(result.text))) if spans is not None else None
-            yield _sse(protocol.usage_chunk(request, served.name, protocol.usage(len(ids), len(result.tokens), result.prompt_reused), stats))
+            used = protocol.usage(len(ids), len(result.tokens), result.prompt_reused)
+            yield _sse(protocol.usage_chunk(request, served.name, used, stats))
         yield b"data: [DONE]\n\n"
     finally:
         if result is None:  # the client went away (or the request failed): free its row

@@ -12,8 +12,8 @@ from racer.serve.protocol import draft_counts
 
 class Metrics:
     """Requests by route and status, queue length and batch size, completion tokens,
-    prompt tokens and those a kept prefix gave, passes and draft tokens proposed, verified and accepted (tokens/s and MAT are their
-    rates and ratios), request latency, and where the time goes: the engine's seconds by
+    prompt tokens and those a kept prefix gave, passes and draft tokens proposed,
+    verified and accepted (tokens/s and MAT are their rates and ratios), request latency, and where the time goes: the engine's seconds by
     part (``racer.serve.events.Stepped``) and the API side's (``prepare``: parsing,
     templating, tokenizing; ``detokenize``: text and stop strings; ``respond``: the
     chunks' JSON)."""
