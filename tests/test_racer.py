@@ -133,7 +133,7 @@ def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
     prompt = [1, 2, 3, 4, 7, 1, 2, 3, 4, 8, 1, 2, 3, 4, 5, 1, 2, 3, 9, 6, 1, 2]
     topk = np.tile(np.arange(20, 28), (len(prompt), 1))
     topk[[i for i, t in enumerate(prompt) if t == 3]] = [4, 9, 20, 21, 22, 23, 24, 25]  # the model after 3
-    d = RacerDrafter(n=4, k=8)
+    d = RacerDrafter(n=4, k=8, deep=0)  # the deep chain's nodes are tested on their own
     d.begin(prompt, topk)
     tree = d.draft(3, 40)
     by_token = {tree.tokens[i]: tree.features[i] for i in range(1, len(tree)) if tree.depths[i] == 1}
@@ -146,7 +146,7 @@ def test_nodes_carry_the_evidence_the_draft_budget_learns_from():
     assert by_token[20] == ("logits", 2, 1) and by_token[23] == ("logits", 5, 1)
     assert tree.features[0] is None
     # Without the copy-logit table nothing can agree.
-    d = RacerDrafter(n=4, k=8, sources="retrieval")
+    d = RacerDrafter(n=4, k=8, sources="retrieval", deep=0)
     d.begin(prompt, None)
     tree = d.draft(3, 40)
     assert tree.features[tree.child(0, 4)] == ("retrieval", 0, 3, 3)

@@ -10,6 +10,7 @@ import numpy as np
 
 from racer.drafting.automaton import Continuation, NgramAutomaton
 from racer.drafting.base import Drafter, Needs
+from racer.drafting.context_match import ContextMatch
 from racer.drafting.copy_logit import CopyLogitTable, expand_logits_tree, logits_feature
 from racer.drafting.shared import SharedMemory
 from racer.drafting.tree import LOGITS, RETRIEVAL, DraftTree, TreeBuilder, source_name
@@ -23,6 +24,14 @@ def retrieval_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
     long the context match behind it is, and how often its trie parent continued with
     it (freq ratio, in quarters)."""
     return ("retrieval", agreement, min(border_depth, 6), min(int(ratio * 4), 4))
+
+
+def context_feature(matched: int, agreement: int) -> tuple:
+    """A node of the deep chain (``racer.drafting.context_match``): how many context
+    tokens match behind its parent (the match found, plus the chain's tokens above it),
+    in powers of two up to 64, and whether the parent's copy-logit row agrees (as in
+    ``retrieval_feature``)."""
+    return ("context", min(matched.bit_length(), 7), agreement)
 
 
 def shared_feature(agreement: int, border_depth: int, ratio: float) -> tuple:
@@ -54,6 +63,9 @@ class RacerDrafter(Drafter):
     - ``n``: n-gram length of the retrieval automaton (10); ``nodes``: its node capacity (10,000)
     - ``k``: copy-logit row width and root breadth (8)
     - ``min_border``: shortest suffix match that retrieval uses (2)
+    - ``deep``: the longest chain drafted first from the context's longest earlier match
+      of at least ``min_border + 1`` tokens (``racer.drafting.context_match``; 32; 0:
+      none, the paper's tree)
     - ``chain``: draft a single path instead of a tree
     - ``sources``: both | retrieval | logits (the paper's ablation)
     - ``logits``: copy (row of the token's last occurrence) | last (reuse the last step's logits)
@@ -70,7 +82,7 @@ class RacerDrafter(Drafter):
 
     def __init__(self, n: int = 10, nodes: int = 10_000, k: int = 8, min_border: int = 2, chain: bool = False,
                  sources: str = "both", logits: str = "copy", update: str = "all", memory: str = "kept",
-                 shared_nodes: int = 100_000) -> None:
+                 shared_nodes: int = 100_000, deep: int = 32) -> None:
         for option, value in (("sources", sources), ("logits", logits), ("update", update), ("memory", memory)):
             if value not in _CHOICES[option]:
                 raise ValueError(f"racer: {option}: expected one of {', '.join(_CHOICES[option])}, got {value!r}")
@@ -79,7 +91,10 @@ class RacerDrafter(Drafter):
         if isinstance(shared_nodes, bool) or not isinstance(shared_nodes, int) or shared_nodes < n + 1:
             raise ValueError(f"racer: shared_nodes: expected a node capacity of at least n + 1 = {n + 1}, "
                              f"got {shared_nodes!r}")
+        if isinstance(deep, bool) or not isinstance(deep, int) or deep < 0:
+            raise ValueError(f"racer: deep: expected a chain length of 0 (none) or more, got {deep!r}")
         self.n, self.nodes, self.k, self.min_border, self.chain = n, nodes, k, min_border, bool(chain)
+        self.deep = deep
         self.shared_nodes = shared_nodes
         self.sources, self.logits, self.update, self.memory = sources, logits, update, memory
         self.use_retrieval = sources in ("both", "retrieval")
@@ -93,11 +108,13 @@ class RacerDrafter(Drafter):
         self.table = CopyLogitTable(k)
         self._last_row: tuple[int, ...] = ()
         self._context: list[int] = []
+        self.matches = ContextMatch(min_border + 1)
         # This request's accepted draft tokens: by rank (1-based) in the parent's
         # copy-logit row (0: not in the row), and by source.
         self.accepted_ranks: Counter[int] = Counter()
         self.accepted_by_source: Counter[int] = Counter()
         self.accepted_shared = 0  # of which, drafted from the shared memory
+        self.accepted_deep = 0  # of which, nodes the deep chain created
         self._shared: SharedMemory | None = None
 
     def new_shared(self) -> SharedMemory | None:
@@ -109,12 +126,16 @@ class RacerDrafter(Drafter):
     # -- request lifecycle -------------------------------------------------------------
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.accepted_ranks, self.accepted_by_source, self.accepted_shared = Counter(), Counter(), 0
+        self.accepted_deep = 0
         if self.fresh:
             self.automaton = NgramAutomaton(self.n, self.nodes)
             self.table = CopyLogitTable(self.k)
         self._context = [int(t) for t in prompt]
         if self.use_retrieval:
             self.automaton.start(self._context)
+        if self.deep and self.use_retrieval:
+            self.matches = ContextMatch(self.min_border + 1)
+            self.matches.extend(self._context)
         if prompt_topk is not None:
             self.table.write(self._context[len(self._context) - len(prompt_topk) :], prompt_topk)
             self._last_row = tuple(prompt_topk[-1].tolist())
@@ -144,6 +165,8 @@ class RacerDrafter(Drafter):
 
     def draft(self, root: int, budget: int) -> DraftTree:
         builder = TreeBuilder(root, budget)
+        if self.deep and self.use_retrieval and not self.chain and budget > 1:
+            self._add_deep_chain(builder, root, min(self.deep, budget - 1))
         if self.use_retrieval and budget > 1:
             found = self.automaton.retrieve(root, budget - 1, self.min_border)
             if self.chain:  # the deepest of the most frequent continuations
@@ -173,6 +196,15 @@ class RacerDrafter(Drafter):
                                    None if self._shared is None else self._logits_key)
         return builder.build()
 
+    def _add_deep_chain(self, builder: TreeBuilder, root: int, limit: int) -> None:
+        match = self.matches.longest(root, limit)
+        if match is None:
+            return
+        parents = [root] + match.continuation[:-1]
+        features = [context_feature(match.length + depth, self._agreement(parent, token))
+                    for depth, (parent, token) in enumerate(zip(parents, match.continuation))]
+        builder.add_path(match.continuation, RETRIEVAL, features=features)
+
     def _add_shared(self, builder: TreeBuilder, root: int, limit: int) -> None:
         shared = self._shared
         found = shared.automaton.retrieve(root, limit, self.min_border, shared.state(self._context))
@@ -198,8 +230,11 @@ class RacerDrafter(Drafter):
                 token = tree.tokens[node]
                 self.accepted_ranks[row.index(token) + 1 if token in row else 0] += 1
             self.accepted_by_source[tree.sources[node] if tree.sources else 0] += 1
-            if tree.features and tree.features[node] and tree.features[node][0] in _SHARED_KEYS:
+            key = tree.features[node] if tree.features else None
+            if key and key[0] in _SHARED_KEYS:
                 self.accepted_shared += 1
+            elif key and key[0] == "context":
+                self.accepted_deep += 1
         if tree_topk is not None:
             if self.accepted_only:
                 tokens, rows = [tree.tokens[i] for i in accepted], tree_topk[list(accepted)]
@@ -212,6 +247,8 @@ class RacerDrafter(Drafter):
         ctx = self._context
         for i in accepted:
             ctx.append(tree.tokens[i])
+            if self.deep and self.use_retrieval:
+                self.matches.append(tree.tokens[i])
             if self.use_retrieval:
                 self.automaton.extend(ctx)
                 if self._shared is not None:
@@ -226,4 +263,6 @@ class RacerDrafter(Drafter):
             stats["accepted_rank"] = {str(r): c for r, c in sorted(self.accepted_ranks.items())}
         if self._shared is not None:
             stats["accepted_shared"] = self.accepted_shared
+        if self.deep:
+            stats["accepted_deep"] = self.accepted_deep
         return stats
