@@ -37,9 +37,6 @@ class ContextMatch:
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}  # key -> end positions, oldest first
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def extend(self, tokens: Sequence[int]) -> None:
         for token in tokens:
             self.append(token)

@@ -99,6 +99,7 @@ class RacerDrafter(Drafter):
         self.sources, self.logits, self.update, self.memory = sources, logits, update, memory
         self.use_retrieval = sources in ("both", "retrieval")
         self.use_logits = sources in ("both", "logits")
+        self.use_deep = bool(deep) and self.use_retrieval and not self.chain  # a chain drafts no deep chain
         self.last_logit, self.accepted_only = logits == "last", update == "accepted"
         self.fresh = memory in ("fresh", "shared")
         # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
@@ -133,7 +134,7 @@ class RacerDrafter(Drafter):
         self._context = [int(t) for t in prompt]
         if self.use_retrieval:
             self.automaton.start(self._context)
-        if self.deep and self.use_retrieval:
+        if self.use_deep:
             self.matches = ContextMatch(self.min_border + 1)
             self.matches.extend(self._context)
         if prompt_topk is not None:
@@ -165,7 +166,7 @@ class RacerDrafter(Drafter):
 
     def draft(self, root: int, budget: int) -> DraftTree:
         builder = TreeBuilder(root, budget)
-        if self.deep and self.use_retrieval and not self.chain and budget > 1:
+        if self.use_deep and budget > 1:
             self._add_deep_chain(builder, root, min(self.deep, budget - 1))
         if self.use_retrieval and budget > 1:
             found = self.automaton.retrieve(root, budget - 1, self.min_border)
@@ -247,7 +248,7 @@ class RacerDrafter(Drafter):
         ctx = self._context
         for i in accepted:
             ctx.append(tree.tokens[i])
-            if self.deep and self.use_retrieval:
+            if self.use_deep:
                 self.matches.append(tree.tokens[i])
             if self.use_retrieval:
                 self.automaton.extend(ctx)
