@@ -262,7 +262,8 @@ def test_cpu_only_fast_paths_are_off_on_other_devices():
     from racer.fastpaths import FastPaths
 
     assert FastPaths().on("cpu") == FastPaths()
-    assert FastPaths().on("cuda") == FastPaths(kernels=False, tree_attention=False, growing_cache=True)
+    assert FastPaths().on("cuda") == FastPaths(kernels=False, tree_attention=False, growing_cache=True,
+                                               packed_rows=False)
     assert FastPaths(growing_cache=False).on("cuda").growing_cache is False
 
 

@@ -1,7 +1,14 @@
 """The draft budget of a batch: how many nodes each request's tree keeps when every
 active request is verified in one pass. Pure Python (no torch).
 
-A batched pass pads every tree to the largest, so it costs what ``rows`` trees of
+A packed pass (``packed``: the rows' trees one after another in one sequence) costs
+what its nodes cost, whichever rows hold them: the budget then ranks every candidate
+node of the batch by its expected gain (the probability that it is accepted) and keeps
+the number of them that maximises the batch's expected emitted tokens per second,
+``sum_b E_b / cost(B, T / B, cache)`` for T nodes in all (``best_total``), so a row with
+a long likely chain verifies it while a row of unlikely guesses verifies its root alone.
+
+A padded pass pads every tree to the largest, so it costs what ``rows`` trees of
 ``nodes`` nodes cost, whichever request holds the nodes; giving one request more nodes
 than the others costs as much as giving them all as many. The budget therefore chooses
 one node cap N for the step: each request keeps its N most probable candidates (its
@@ -42,6 +49,34 @@ def best_cap(expected: Sequence[Sequence[float]], cost: "callable", largest: int
         if rate > best_rate:
             best, best_rate = cap, rate
     return best, best_rate
+
+
+def best_total(expected: Sequence[Sequence[float]], cost: "callable") -> tuple[list[int], float]:
+    """How many nodes each row keeps (root included) so that the batch's expected
+    tokens per second, ``sum_b expected[b][kept_b - 1] / cost(T)`` for T nodes in all,
+    is largest, and that rate. A row's nodes are added in its own order (each row's
+    gains, ``expected[b][k] - expected[b][k - 1]``, do not grow with k); across rows,
+    the larger gain first. Ties go to fewer nodes."""
+    gains = sorted(((e[k] - e[k - 1], -b, -k) for b, e in enumerate(expected) for k in range(1, len(e))),
+                   reverse=True)
+    kept = [1] * len(expected)
+    tokens = sum(e[0] for e in expected)
+    total = len(expected)
+    best, best_rate = 0, tokens / _positive(cost(total), total)
+    for added, (gain, _, _) in enumerate(gains, start=1):
+        tokens += gain
+        rate = tokens / _positive(cost(total + added), total + added)
+        if rate > best_rate:
+            best, best_rate = added, rate
+    for _, row, _ in gains[:best]:
+        kept[-row] += 1
+    return kept, best_rate
+
+
+def _positive(seconds: float, nodes: int) -> float:
+    if not float(seconds) > 0:
+        raise ValueError(f"cost: expected a positive time for {nodes} nodes, got {seconds}")
+    return float(seconds)
 
 
 class BatchBudget(WholeTree):
@@ -107,11 +142,16 @@ class BatchBudget(WholeTree):
         predict = draw(self.rng) if draw is not None else self.cost.predict
         rows = len(trees)
         longest = max(cached)
-        largest = max(len(tree) for tree in trees)
-        cap, rate = best_cap([expected for _, expected in ranked], lambda n: predict(rows, n, longest), largest)
+        if self.packed:
+            kept, rate = best_total([expected for _, expected in ranked],
+                                    lambda total: predict(rows, total / rows, longest))
+        else:
+            largest = max(len(tree) for tree in trees)
+            cap, rate = best_cap([expected for _, expected in ranked], lambda n: predict(rows, n, longest), largest)
+            kept = [cap] * rows
         plain = rows / predict(rows, 1, longest, drafting=False)
         if rate <= plain * (1.0 + self.margin):
-            cap, rate = 1, rows / predict(rows, 1, longest)
+            kept, rate = [1] * rows, rows / predict(rows, 1, longest)
         self.advantage += self.weight * (rate / plain - 1.0 - self.advantage)
         if self.advantage <= 0:
             self._misses += 1
@@ -119,11 +159,14 @@ class BatchBudget(WholeTree):
             self.advantage = 0.0  # the probe after the pause judges afresh
         else:
             self._misses = 0
-        self.last_cap = cap
-        return [tree.subtree(sorted([0] + order[: cap - 1])) for tree, (order, _) in zip(trees, ranked)]
+        self.last_cap = max(kept)
+        return [tree.subtree(sorted([0] + order[: n - 1])) for tree, (order, _), n in zip(trees, ranked, kept)]
 
     def observe(self, step: StepTiming) -> None:
         """Refresh the batch's cost curve with the step: ``rows`` trees padded to the
-        largest, on the longest row's cache."""
-        self.cost.refresh(len(step.trees), max(len(tree) for tree in step.trees), max(step.lengths), step.pass_s,
-                          step.step_s, step.drafting_s)
+        largest (or packed: as many nodes per row as they hold on average), on the
+        longest row's cache."""
+        rows = len(step.trees)
+        nodes = (sum(len(tree) for tree in step.trees) / rows if self.packed
+                 else max(len(tree) for tree in step.trees))
+        self.cost.refresh(rows, nodes, max(step.lengths), step.pass_s, step.step_s, step.drafting_s)

@@ -1,6 +1,7 @@
-"""What a step of a batch costs: one pass over ``rows`` trees padded to ``nodes`` nodes
-each, on caches whose longest row holds ``cached`` tokens, plus the per-request work
-around the pass (drafting, choosing, accepting). Pure Python (no torch).
+"""What a step of a batch costs: one pass over ``rows`` trees of ``nodes`` nodes each
+(padded to the largest, or packed: then ``nodes`` is the trees' mean size), on caches
+whose longest row holds ``cached`` tokens, plus the per-request work around the pass
+(drafting, choosing, accepting). Pure Python (no torch).
 
 Measured on batched passes (``racer.engine.calibration.measure_batch``), not derived
 from single-request passes: a batched pass attends every row to its own cache and pays
@@ -58,7 +59,7 @@ class BatchCostModel:
         if not self.overhead >= 0:
             raise ValueError(f"batch cost model: overhead: expected a non-negative time, got {self.overhead}")
 
-    def pass_seconds(self, rows: int, nodes: int, cached: int) -> float:
+    def pass_seconds(self, rows: int, nodes: float, cached: int) -> float:
         """One pass of ``rows`` trees of ``nodes`` nodes each."""
         return self._pass(rows, [curve.predict for curve in self.curves], nodes, cached)
 
@@ -76,7 +77,7 @@ class BatchCostModel:
         """Seconds of work around the pass: with ``drafting``, what drafting adds too."""
         return rows * (self.overhead if drafting else max(self.overhead - self.drafting, 0.0))
 
-    def predict(self, rows: int, nodes: int, cached: int, drafting: bool = True) -> float:
+    def predict(self, rows: int, nodes: float, cached: int, drafting: bool = True) -> float:
         """Seconds for one step of the batch: the pass and the work around it."""
         return self.pass_seconds(rows, nodes, cached) + self.around(rows, drafting)
 
@@ -87,9 +88,9 @@ class BatchCostModel:
         return lambda rows, nodes, cached, drafting=True: (self._pass(rows, predicts, nodes, cached)
                                                            + self.around(rows, drafting))
 
-    def refresh(self, rows: int, nodes: int, cached: int, pass_seconds: float, step_seconds: float,
+    def refresh(self, rows: int, nodes: float, cached: int, pass_seconds: float, step_seconds: float,
                 drafting_seconds: float | None = None) -> None:
-        """A step of ``rows`` trees padded to ``nodes`` took ``step_seconds``, its pass
+        """A step of ``rows`` trees of ``nodes`` nodes took ``step_seconds``, its pass
         ``pass_seconds`` of them and drafting ``drafting_seconds`` (None: the step did
         not draft)."""
         i, j, w = bracket(self.rows, rows)
@@ -152,7 +153,7 @@ class PerNodeCurve:
     def __init__(self, curve: object) -> None:
         self.curve = curve
 
-    def predict(self, rows: int, nodes: int, cached: int, drafting: bool = True) -> float:
+    def predict(self, rows: int, nodes: float, cached: int, drafting: bool = True) -> float:
         return self.curve.predict(rows * nodes, cached)
 
     def draw(self, rng: random.Random) -> Callable[..., float]:
@@ -160,6 +161,6 @@ class PerNodeCurve:
         predict = draw(rng) if draw is not None else self.curve.predict
         return lambda rows, nodes, cached, drafting=True: predict(rows * nodes, cached)
 
-    def refresh(self, rows: int, nodes: int, cached: int, pass_seconds: float, step_seconds: float,
+    def refresh(self, rows: int, nodes: float, cached: int, pass_seconds: float, step_seconds: float,
                 drafting_seconds: float | None = None) -> None:
         self.curve.refresh(rows * nodes, cached, step_seconds)

@@ -106,7 +106,11 @@ class StepTiming:
 
 class Budget(Protocol):
     """How much of each row's candidate tree a step verifies; the engine asks it once
-    per step, in this order."""
+    per step, in this order. ``packed``: the engine's passes lay the rows' trees one
+    after another (a node costs the same whichever row holds it) rather than padding
+    each to the largest; the engine keeps it current."""
+
+    packed: bool
 
     def drafts(self) -> bool:
         """Whether the step about to run drafts at all (False: bare roots)."""
@@ -125,6 +129,8 @@ class Budget(Protocol):
 
 class WholeTree:
     """The budget of a fixed capacity: every drafted node is verified."""
+
+    packed = False
 
     def drafts(self) -> bool:
         return True

@@ -435,6 +435,7 @@ class BatchDecoder:
         lengths = list(self.rows.lengths)
         self._windows.before(max(lengths) + self.method.draft_size)
         budget = self.lone_budget if self.lone_budget is not None and len(self._active) == 1 else self.budget
+        budget.packed = self.rows.packs
         drafting = budget.drafts()
         proposed: list[DraftTree] = []
         for request in self._active:

@@ -8,11 +8,14 @@ holds many in a ``SlotCache``: every pass pads the rows' trees to the largest an
 gives each row its own positions and masks (its own context within its layers'
 windows, its own ancestors), so no request sees another's tokens.
 
-Design choice: one batch row per request with per-row lengths, rather than one
-flattened sequence whose mask separates requests: a flattened pass would attend every
-query to every request's cache (B times the attention work), while rows attend only
-to their own, at the price of padding trees to the largest and contexts to the
-longest row.
+Design choice: one cache row per request with per-row lengths, rather than one
+flattened cache whose mask separates requests: a flattened cache would attend every
+query to every request's KV (B times the attention work), while rows attend only to
+their own. The pass itself is packed where the model allows it (``PackedRows``): the
+rows' trees lie one after another in one sequence, so the linear layers, which cost
+most on a CPU, compute no padding, and each row's queries attend to their own cache
+row. Elsewhere (windowed layers, families whose attention calls alter the attention,
+devices without tree attention) every tree is padded to the largest.
 
 ``SlotRows`` can also keep finished requests' KV (``racer.engine.prefixes``) and start
 a later request of the same scope from the longest kept prefix of its prompt.
@@ -31,12 +34,14 @@ from racer.engine.prefixes import Prefix, PrefixStore
 from racer.engine.slots import SlotCache
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
+from racer.fastpaths.attention import PADDED_SHARE, PackedRows
 
 
 class Rows(Protocol):
     """What the engine asks of its KV rows."""
 
     lengths: list[int]  # each row's cached tokens (the context but its last token)
+    packs: bool  # whether a pass lays the rows' trees one after another, unpadded
 
     def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
         """A verifier to prefill a new request of ``ids`` on (``admit`` then takes it
@@ -61,6 +66,8 @@ class Rows(Protocol):
 
 class OneRow:
     """One request at a time, in ``verifier``'s own cache."""
+
+    packs = False
 
     def __init__(self, verifier: TreeVerifier) -> None:
         self.verifier = verifier
@@ -102,6 +109,10 @@ class SlotRows:
         self.verifier = verifier
         self.slots = SlotCache(config, rows)
         self.prefixes = PrefixStore(prefix_bytes if self.slots.every_layer_in_slots else 0)
+        # Whether passes are packed: decided by the model's layout, then by the first
+        # packed pass (an attention call that cannot take packed rows turns it off).
+        self.packs = (verifier.fast_paths.packed_rows and verifier.tree_attention is not None
+                      and not verifier.layout.windowed and self.slots.every_layer_in_slots)
 
     @property
     def lengths(self) -> list[int]:
@@ -142,6 +153,74 @@ class SlotRows:
             state.lengths = held
 
     def forward(self, trees: list[DraftTree]) -> torch.Tensor:
+        if self.packs and len(trees) > 1:
+            logits = self._packed_forward(trees)
+            if logits is not None:
+                return logits
+            self.packs = False
+        return self._padded_forward(trees)
+
+    def _packed_forward(self, trees: list[DraftTree]) -> torch.Tensor | None:
+        """The pass with every row's tree in one sequence; None where an attention call
+        could not take packed rows (nothing of that pass is used: a padded pass writes
+        the same cache positions again)."""
+        v, device = self.verifier, self.verifier.device
+        sizes = [len(tree) for tree in trees]
+        lengths = self.lengths
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        ids = torch.tensor([[t for tree in trees for t in tree.tokens]], dtype=torch.long, device=device)
+        positions = torch.tensor([[d + length for tree, length in zip(trees, lengths) for d in tree.depths]],
+                                 dtype=torch.long, device=device)
+        lowest = torch.finfo(v.dtype).min
+        masks = []
+        for tree, length in zip(trees, lengths):
+            depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
+            ancestors = torch.from_numpy(tree.ancestor_mask()).to(device)
+            allowed = v.layout.visible(length, depths, ancestors, max(tree.depths))
+            mask = torch.full((1, 1, len(tree), length + len(tree)), lowest, dtype=v.dtype, device=device)
+            masks.append(mask.masked_fill_(allowed, 0))
+        spans = [length + size for length, size in zip(lengths, sizes)]
+        packed = PackedRows(starts, spans, masks)
+        # One attention call over padded queries where padding adds little attention work
+        # (at long contexts a query's attention costs about what its linear layers do).
+        if sum(n * span for n, span in zip(sizes, spans)) >= (1 - PADDED_SHARE) * len(sizes) * max(sizes) * max(spans):
+            packed.padded = self._padded_attention(starts, sizes, masks, max(spans))
+        self.slots.begin_packed(sizes, device)
+        # The model takes a prepared 4D mask as it is; the rows' own masks are in ``packed``.
+        placeholder = torch.zeros((1, 1, starts[-1], 1), dtype=v.dtype, device=device)
+        linear = v.kernels.using(v.kernel_of(starts[-1]))
+        try:
+            with linear, v.tree_attention.packed(packed):
+                logits = v.forward(ids, positions, placeholder, 0, cache=self.slots.cache, batched=True)
+        finally:
+            self.slots.state.packed_rows = self.slots.state.packed_at = None
+        if packed.refused or packed.calls != len(self.slots.slot_layers):
+            return None
+        return logits[0][self._padded_index(starts, sizes)]
+
+    def _padded_index(self, starts: list[int], sizes: list[int]) -> torch.Tensor:
+        """(rows, largest size): where row b's i-th node lies in the packed pass (its last
+        node past its own)."""
+        nodes = max(sizes)
+        return torch.tensor([[start + min(i, size - 1) for i in range(nodes)]
+                             for start, size in zip(starts[:-1], sizes)], dtype=torch.long, device=self.verifier.device)
+
+    def _padded_attention(self, starts: list[int], sizes: list[int], masks: list[torch.Tensor],
+                          span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``PackedRows.padded``: the packed pass's attention as one call over padded rows,
+        a padding query a copy of its row's last node."""
+        v, nodes = self.verifier, max(sizes)
+        mask = torch.full((len(sizes), 1, nodes, span), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
+        for row, (size, own) in enumerate(zip(sizes, masks)):
+            mask[row, 0, :size, : own.shape[-1]] = own[0, 0]
+            mask[row, 0, size:, : own.shape[-1]] = own[0, 0, size - 1]
+        back = torch.tensor([row * nodes + i for row, size in enumerate(sizes) for i in range(size)],
+                            dtype=torch.long, device=v.device)
+        return self._padded_index(starts, sizes), mask, back
+
+    def _padded_forward(self, trees: list[DraftTree]) -> torch.Tensor:
         v, device = self.verifier, self.verifier.device
         rows, nodes = len(trees), max(len(tree) for tree in trees)
         lengths = self.lengths

@@ -30,6 +30,10 @@ class SlotState:
         self.lengths: list[int] = []
         self.offsets: torch.Tensor | None = None  # (B,) write positions of the pass
         self.span = 0  # positions attended in the pass: the longest row + the pass's nodes
+        # A packed pass (one sequence of every row's nodes): the row and the position
+        # each of its tokens writes to; None in a padded pass.
+        self.packed_rows: torch.Tensor | None = None
+        self.packed_at: torch.Tensor | None = None
 
 
 def _slot_layer_class() -> Any:
@@ -72,8 +76,16 @@ def _slot_layer_class() -> Any:
                    **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            rows, _, nodes, _ = key_states.shape
             state = self.state
+            if state.packed_rows is not None:
+                rows = len(state.lengths)
+                self._reserve(key_states, value_states, rows, state.span)
+                self._keys.transpose(1, 2)[state.packed_rows, state.packed_at] = key_states[0].transpose(0, 1)
+                self._values.transpose(1, 2)[state.packed_rows, state.packed_at] = value_states[0].transpose(0, 1)
+                self.keys = self._keys[:rows, :, : state.span]
+                self.values = self._values[:rows, :, : state.span]
+                return self.keys, self.values
+            rows, _, nodes, _ = key_states.shape
             self._reserve(key_states, value_states, rows, state.span)
             where = state.offsets[:, None] + torch.arange(nodes, device=key_states.device)
             row = torch.arange(rows, device=key_states.device)[:, None].expand(rows, nodes)
@@ -175,6 +187,19 @@ class SlotCache:
         """Before a pass of ``nodes`` nodes per row: each row writes at its length."""
         self.state.offsets = torch.tensor(self.state.lengths, dtype=torch.long, device=device)
         self.state.span = max(self.state.lengths) + nodes
+        self.state.packed_rows = self.state.packed_at = None
+
+    def begin_packed(self, sizes: list[int], device: torch.device) -> None:
+        """Before a packed pass of ``sizes[b]`` nodes of row b, one row after another:
+        row b's node i writes at position ``lengths[b] + i``, as in a padded pass."""
+        state = self.state
+        rows = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+        lengths = torch.tensor(state.lengths)
+        state.packed_rows = rows.to(device)
+        state.packed_at = (lengths[rows] + torch.arange(len(rows)) - starts[rows]).to(device)
+        state.offsets = lengths.to(device)
+        state.span = max(length + size for length, size in zip(state.lengths, sizes))
 
     def compact(self, row: int, path: list[int]) -> None:
         """Keep the KV of ``path`` (node indices in the pass, root first) of ``row``

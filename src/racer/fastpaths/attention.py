@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -34,9 +35,59 @@ PADDED_SHARE = 0.25
 # Each row's span (its context and the pass's nodes) during a batched pass, set by the
 # caller around the pass (``TreeAttention.spans``).
 _ROW_SPANS: ContextVar[Sequence[int] | None] = ContextVar("racer_row_spans", default=None)
+# The rows of a packed pass (``PackedRows``), set by the caller around it.
+_PACKED: ContextVar["PackedRows | None"] = ContextVar("racer_packed_rows", default=None)
 # Keyword arguments with which some families' layers change the attention itself
 # (soft-capping, sinks, position biases, windows): those calls keep the stock path.
 _ALTERING = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
+
+
+@dataclass
+class PackedRows:
+    """A batched pass whose rows' trees lie one after another in a single sequence
+    (``starts[b]:starts[b + 1]`` is row b's), so that the linear layers compute no
+    padding. Row b's queries attend to the first ``spans[b]`` positions of its cache row
+    under ``masks[b]``, additive (1, 1, nodes of b, spans[b]). Where the rows' spans are
+    alike, ``padded`` holds the same attention as one call: ``(index, mask, back)``,
+    ``index`` (B, N) the packed position of row b's i-th query (its last node past its
+    own), ``mask`` (B, 1, N, longest span) and ``back`` (packed nodes,) each packed
+    node's place in the flattened (B * N) result. ``calls`` counts the attention calls
+    that took the packed rows; ``refused`` is set by one that could not (a family whose
+    layers change the attention itself), whose output is then meaningless: the caller
+    runs the pass again padded."""
+
+    starts: list[int]
+    spans: list[int]
+    masks: list[torch.Tensor]
+    padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    calls: int = 0
+    refused: bool = False
+
+
+def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 dropout: float, scaling: float | None, kwargs: dict) -> torch.Tensor:
+    """Each packed row's queries over its own cache row: (1, packed nodes, heads, dim)."""
+    out = query.new_zeros(query.shape)
+    if (dropout or any(kwargs.get(name) is not None for name in _ALTERING) or query.shape[0] != 1
+            or key.shape[0] < len(packed.spans) or query.shape[1] % key.shape[1]):
+        packed.refused = True
+        return out.transpose(1, 2)
+    packed.calls += 1
+    if packed.padded is not None:
+        # One call over the rows' queries laid out padded: a call per row would cost
+        # more in dispatch than the padding costs in products.
+        index, mask, back = packed.padded
+        rows, nodes = index.shape
+        heads, dim = query.shape[1], query.shape[3]
+        queries = query[0][:, index].transpose(0, 1)  # (B, heads, N, dim)
+        span = mask.shape[-1]
+        result = _grouped_products(queries, key[:rows, :, :span], value[:rows, :, :span], mask, scaling)
+        return result.transpose(1, 2).reshape(rows * nodes, heads, dim)[back].unsqueeze(0)
+    for row, span in enumerate(packed.spans):
+        start, end = packed.starts[row], packed.starts[row + 1]
+        out[:, :, start:end] = _grouped_products(query[:, :, start:end], key[row : row + 1, :, :span],
+                                                 value[row : row + 1, :, :span], packed.masks[row], scaling)
+    return out.transpose(1, 2).contiguous()
 
 
 def _stock_sdpa() -> Any:
@@ -50,7 +101,11 @@ def tree_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, except that a masked call on grouped KV heads
     attends to the cache's heads in place (``enable_gqa``) instead of to a repeated copy.
-    Arguments and result as ``transformers.integrations.sdpa_attention.sdpa_attention_forward``."""
+    Arguments and result as ``transformers.integrations.sdpa_attention.sdpa_attention_forward``.
+    Within a packed pass (``PackedRows``), every call attends row by row."""
+    packed = _PACKED.get()
+    if packed is not None:
+        return _packed_sdpa(packed, module, query, key, value, dropout, scaling, kwargs), None
     grouped = getattr(module, "num_key_value_groups", 1) > 1 and key.shape[1] < query.shape[1]
     if (not grouped or attention_mask is None or attention_mask.dim() != 4 or dropout
             or any(kwargs.get(name) is not None for name in _ALTERING)):
@@ -128,6 +183,17 @@ class TreeAttention:
                 yield self
         finally:
             _ROW_SPANS.reset(token)
+
+
+    @contextmanager
+    def packed(self, rows: PackedRows) -> Iterator["TreeAttention"]:
+        """This switch, for a pass over packed rows (``PackedRows``)."""
+        token = _PACKED.set(rows)
+        try:
+            with self:
+                yield self
+        finally:
+            _PACKED.reset(token)
 
 
 def tree_attention(model: Any, device: str) -> TreeAttention | None:
