@@ -184,7 +184,6 @@ class TreeAttention:
         finally:
             _ROW_SPANS.reset(token)
 
-
     @contextmanager
     def packed(self, rows: PackedRows) -> Iterator["TreeAttention"]:
         """This switch, for a pass over packed rows (``PackedRows``)."""
