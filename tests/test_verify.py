@@ -11,6 +11,7 @@ from conftest import needs_attention_interface, needs_cache_layers
 from racer.drafting.tree import chain
 from racer.engine.selftest import UnsupportedModelError, random_tree, self_test, sequential_logits, tolerance
 from racer.engine.verifier import TreeVerifier
+from racer.fastpaths import FastPaths
 
 
 def _check_tree(model, context, tree, kernel="model"):
@@ -219,9 +220,11 @@ def test_few_query_attention_over_row_spans_is_the_padded_math(monkeypatch, span
 
 @needs_attention_interface
 def test_a_batched_pass_tells_tree_attention_each_rows_span(real, monkeypatch):
-    """On the real model, a batch of a short and a long prompt: every layer's few-query
-    products get each row's span (its context and the pass's nodes), the short row is
-    attended over its own span alone, and both answers are plain greedy decoding's."""
+    """On the real model, a batch of a short and a long prompt in padded passes (as a
+    windowed model's are; packed passes attend row by row: ``test_packed``): every
+    layer's few-query products get each row's span (its context and the pass's nodes),
+    the short row is attended over its own span alone, and both answers are plain
+    greedy decoding's."""
     import racer.fastpaths.attention as attention
     from conftest import hf_greedy
     from racer.engine.loop import BatchDecoder
@@ -238,7 +241,8 @@ def test_a_batched_pass_tells_tree_attention_each_rows_span(real, monkeypatch):
         return few(query, key, value, mask, scaling, spans)
 
     monkeypatch.setattr(attention, "few_query_attention", spy)
-    batch = BatchDecoder(model, tokenizer, "racer:capacity=8", max_batch=2, check=False)
+    batch = BatchDecoder(model, tokenizer, "racer:capacity=8", max_batch=2, check=False,
+                         fast_paths=FastPaths(packed_rows=False))
     first, second = batch.generate_all([short, long], max_new_tokens=12)
     batched = [(length, nodes, spans) for length, nodes, spans in seen if spans is not None and len(spans) == 2]
     assert batched and all(max(spans) == length and min(spans) < length / 2 for length, _, spans in batched)
@@ -303,7 +307,6 @@ def test_growing_cache_appends_in_place_and_gives_dynamic_cache_logits(tiny, mon
     from transformers.cache_utils import DynamicLayer
 
     import racer.fastpaths.kvcache as kvcache
-    from racer.fastpaths import FastPaths
     from racer.fastpaths.kvcache import GrowingLayer
 
     monkeypatch.setattr(kvcache, "_MIN_CAPACITY", 8)  # so that this short run grows several times
