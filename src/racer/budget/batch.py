@@ -42,10 +42,7 @@ def best_cap(expected: Sequence[Sequence[float]], cost: "callable", largest: int
     best, best_rate = 1, -1.0
     for cap in range(1, largest + 1):
         tokens = sum(e[min(cap, len(e)) - 1] for e in expected)
-        seconds = float(cost(cap))
-        if not seconds > 0:
-            raise ValueError(f"cost: expected a positive time for a cap of {cap} nodes, got {seconds}")
-        rate = tokens / seconds
+        rate = tokens / _positive(cost(cap), cap, "a cap of ")
         if rate > best_rate:
             best, best_rate = cap, rate
     return best, best_rate
@@ -73,9 +70,9 @@ def best_total(expected: Sequence[Sequence[float]], cost: "callable") -> tuple[l
     return kept, best_rate
 
 
-def _positive(seconds: float, nodes: int) -> float:
+def _positive(seconds: float, nodes: int, what: str = "") -> float:
     if not float(seconds) > 0:
-        raise ValueError(f"cost: expected a positive time for {nodes} nodes, got {seconds}")
+        raise ValueError(f"cost: expected a positive time for {what}{nodes} nodes, got {seconds}")
     return float(seconds)
 
 

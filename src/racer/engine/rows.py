@@ -173,20 +173,17 @@ class SlotRows:
         ids = torch.tensor([[t for tree in trees for t in tree.tokens]], dtype=torch.long, device=device)
         positions = torch.tensor([[d + length for tree, length in zip(trees, lengths) for d in tree.depths]],
                                  dtype=torch.long, device=device)
-        lowest = torch.finfo(v.dtype).min
-        masks = []
-        for tree, length in zip(trees, lengths):
-            depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
-            ancestors = torch.from_numpy(tree.ancestor_mask()).to(device)
-            allowed = v.layout.visible(length, depths, ancestors, max(tree.depths))
-            mask = torch.full((1, 1, len(tree), length + len(tree)), lowest, dtype=v.dtype, device=device)
-            masks.append(mask.masked_fill_(allowed, 0))
+        allowed = [self._visible(tree, length) for tree, length in zip(trees, lengths)]
         spans = [length + size for length, size in zip(lengths, sizes)]
-        packed = PackedRows(starts, spans, masks)
         # One attention call over padded queries where padding adds little attention work
         # (at long contexts a query's attention costs about what its linear layers do).
         if sum(n * span for n, span in zip(sizes, spans)) >= (1 - PADDED_SHARE) * len(sizes) * max(sizes) * max(spans):
-            packed.padded = self._padded_attention(starts, sizes, masks, max(spans))
+            packed = PackedRows(starts, spans, padded=self._padded_attention(starts, sizes, allowed, max(spans)))
+        else:
+            lowest = torch.finfo(v.dtype).min
+            packed = PackedRows(starts, spans, [
+                torch.full((1, 1, *seen.shape), lowest, dtype=v.dtype, device=device).masked_fill_(seen, 0)
+                for seen in allowed])
         self.slots.begin_packed(sizes, device)
         # The model takes a prepared 4D mask as it is; the rows' own masks are in ``packed``.
         placeholder = torch.zeros((1, 1, starts[-1], 1), dtype=v.dtype, device=device)
@@ -207,15 +204,16 @@ class SlotRows:
         return torch.tensor([[start + min(i, size - 1) for i in range(nodes)]
                              for start, size in zip(starts[:-1], sizes)], dtype=torch.long, device=self.verifier.device)
 
-    def _padded_attention(self, starts: list[int], sizes: list[int], masks: list[torch.Tensor],
+    def _padded_attention(self, starts: list[int], sizes: list[int], allowed: list[torch.Tensor],
                           span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``PackedRows.padded``: the packed pass's attention as one call over padded rows,
         a padding query a copy of its row's last node."""
         v, nodes = self.verifier, max(sizes)
         mask = torch.full((len(sizes), 1, nodes, span), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
-        for row, (size, own) in enumerate(zip(sizes, masks)):
-            mask[row, 0, :size, : own.shape[-1]] = own[0, 0]
-            mask[row, 0, size:, : own.shape[-1]] = own[0, 0, size - 1]
+        for row, (size, seen) in enumerate(zip(sizes, allowed)):
+            own = mask[row, 0, :, : seen.shape[-1]]
+            own[:size].masked_fill_(seen, 0)
+            own[size:] = own[size - 1]
         back = torch.tensor([row * nodes + i for row, size in enumerate(sizes) for i in range(size)],
                             dtype=torch.long, device=v.device)
         return self._padded_index(starts, sizes), mask, back
@@ -241,6 +239,15 @@ class SlotRows:
             return v.forward(ids.to(device), positions.to(device), model_mask, nodes, cache=self.slots.cache,
                              batched=True)
 
+    def _visible(self, tree: DraftTree, length: int) -> Any:
+        """What each of ``tree``'s nodes sees of a row of ``length`` cached tokens and of
+        the tree (``racer.engine.windows``: one boolean (nodes, length + nodes) mask, or
+        one per mask the model takes)."""
+        v = self.verifier
+        depths = torch.tensor(tree.depths, dtype=torch.long, device=v.device)
+        ancestors = torch.from_numpy(tree.ancestor_mask()).to(v.device)
+        return v.layout.visible(length, depths, ancestors, max(tree.depths))
+
     def _masks(self, trees: list[DraftTree], nodes: int) -> Any:
         """Each row's masks (``racer.engine.windows``), placed in a padded
         (rows, 1, nodes, span) tensor per mask the model takes; padding nodes see only
@@ -250,9 +257,7 @@ class SlotRows:
         padded: dict[str, torch.Tensor] = {}
         for row, tree in enumerate(trees):
             length, size = self.lengths[row], len(tree)
-            depths = torch.tensor(tree.depths, dtype=torch.long, device=v.device)
-            ancestors = torch.from_numpy(tree.ancestor_mask()).to(v.device)
-            seen = v.layout.visible(length, depths, ancestors, max(tree.depths))
+            seen = self._visible(tree, length)
             for key, allowed in (seen.items() if isinstance(seen, dict) else [("", seen)]):
                 if key not in padded:
                     padded[key] = torch.full((len(trees), 1, nodes, span), lowest, dtype=v.dtype, device=v.device)

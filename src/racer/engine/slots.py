@@ -198,7 +198,6 @@ class SlotCache:
         lengths = torch.tensor(state.lengths)
         state.packed_rows = rows.to(device)
         state.packed_at = (lengths[rows] + torch.arange(len(rows)) - starts[rows]).to(device)
-        state.offsets = lengths.to(device)
         state.span = max(length + size for length, size in zip(state.lengths, sizes))
 
     def compact(self, row: int, path: list[int]) -> None:

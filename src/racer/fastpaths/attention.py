@@ -47,8 +47,8 @@ class PackedRows:
     """A batched pass whose rows' trees lie one after another in a single sequence
     (``starts[b]:starts[b + 1]`` is row b's), so that the linear layers compute no
     padding. Row b's queries attend to the first ``spans[b]`` positions of its cache row
-    under ``masks[b]``, additive (1, 1, nodes of b, spans[b]). Where the rows' spans are
-    alike, ``padded`` holds the same attention as one call: ``(index, mask, back)``,
+    under ``masks[b]``, additive (1, 1, nodes of b, spans[b]); or, where the rows are
+    alike, ``padded`` (instead of ``masks``) holds the same attention as one call: ``(index, mask, back)``,
     ``index`` (B, N) the packed position of row b's i-th query (its last node past its
     own), ``mask`` (B, 1, N, longest span) and ``back`` (packed nodes,) each packed
     node's place in the flattened (B * N) result. ``calls`` counts the attention calls
@@ -58,7 +58,7 @@ class PackedRows:
 
     starts: list[int]
     spans: list[int]
-    masks: list[torch.Tensor]
+    masks: list[torch.Tensor] | None = None
     padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     calls: int = 0
     refused: bool = False
@@ -67,11 +67,10 @@ class PackedRows:
 def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  dropout: float, scaling: float | None, kwargs: dict) -> torch.Tensor:
     """Each packed row's queries over its own cache row: (1, packed nodes, heads, dim)."""
-    out = query.new_zeros(query.shape)
     if (dropout or any(kwargs.get(name) is not None for name in _ALTERING) or query.shape[0] != 1
             or key.shape[0] < len(packed.spans) or query.shape[1] % key.shape[1]):
         packed.refused = True
-        return out.transpose(1, 2)
+        return query.new_zeros(query.shape).transpose(1, 2)
     packed.calls += 1
     if packed.padded is not None:
         # One call over the rows' queries laid out padded: a call per row would cost
@@ -83,6 +82,7 @@ def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torc
         span = mask.shape[-1]
         result = _grouped_products(queries, key[:rows, :, :span], value[:rows, :, :span], mask, scaling)
         return result.transpose(1, 2).reshape(rows * nodes, heads, dim)[back].unsqueeze(0)
+    out = query.new_empty(query.shape)
     for row, span in enumerate(packed.spans):
         start, end = packed.starts[row], packed.starts[row + 1]
         out[:, :, start:end] = _grouped_products(query[:, :, start:end], key[row : row + 1, :, :span],
