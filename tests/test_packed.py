@@ -16,7 +16,7 @@ from families import shared_cost
 from racer.budget import CostModel
 from racer.budget.batch import BatchBudget, best_total
 from racer.engine.loop import BatchDecoder
-from racer.engine.rows import SlotRows
+from racer.engine.rows import Chunk, SlotRows
 from racer.engine.selftest import random_tree
 from racer.engine.verifier import TreeVerifier
 from racer.fastpaths import FastPaths
@@ -28,7 +28,7 @@ def rows_of(model, contexts: list[list[int]]) -> SlotRows:
     for context in contexts:
         prefilled = TreeVerifier(model, verifier.fast_paths, verifier.facts, verifier.layout)
         prefilled.prefill(context)
-        rows.admit(prefilled)
+        rows.load(prefilled)
     return rows
 
 
@@ -65,7 +65,8 @@ def test_a_packed_pass_gives_the_padded_pass_logits_on_a_tiny_model(monkeypatch,
     model = make_tiny_llama()
     contexts, trees = contexts_and_trees(model.config.vocab_size, lengths, sizes)
     assert_packed_equals_padded(model, contexts, trees, atol=1e-5)
-    assert calls == [one_call] * model.config.num_hidden_layers
+    layers = model.config.num_hidden_layers
+    assert calls == [True] * layers + [one_call] * layers  # the probe pass (two alike rows), then the pass
 
 
 @pytest.mark.real
@@ -76,7 +77,7 @@ def test_a_packed_pass_gives_the_padded_pass_logits_on_the_real_model(real, leng
     assert_packed_equals_padded(model, contexts, trees, atol=1e-3)
 
 
-def test_an_attention_call_that_refuses_packed_rows_turns_packing_off(monkeypatch):
+def test_a_model_whose_attention_refuses_packed_rows_pads(monkeypatch):
     import racer.fastpaths.attention as attention
 
     real = attention._packed_sdpa
@@ -85,13 +86,71 @@ def test_an_attention_call_that_refuses_packed_rows_turns_packing_off(monkeypatc
         packed.refused = True
         return real(packed, *args)
 
-    monkeypatch.setattr(attention, "_packed_sdpa", refusing)
     model = make_tiny_llama()
     contexts, trees = contexts_and_trees(model.config.vocab_size)
-    rows = rows_of(model, contexts)
-    logits = rows.forward(trees)
+    monkeypatch.setattr(attention, "_packed_sdpa", refusing)
+    rows = rows_of(model, contexts)  # the probe pass is refused
     assert not rows.packs
-    torch.testing.assert_close(logits, rows._padded_forward(trees), atol=0, rtol=0)
+    torch.testing.assert_close(rows.forward(trees), rows._padded_forward(trees), atol=0, rtol=0)
+    monkeypatch.setattr(attention, "_packed_sdpa", real)
+    rows = rows_of(model, contexts)
+    assert rows.packs
+    monkeypatch.setattr(attention, "_packed_sdpa", refusing)  # a refusal the probe did not see: never a wrong pass
+    with pytest.raises(RuntimeError, match="refused packed rows"):
+        rows.forward(trees)
+
+
+def assert_chunks_ride_as_a_prefill_alone(model, contexts, trees, prompt, chunk_size, atol):
+    """The prompt's chunks, each in a packed pass with the rows' trees: the trees get the
+    logits they get without it, and the prompt's row ends up with the KV and last logits of
+    a prefill of the whole prompt alone."""
+    alone = TreeVerifier(model)
+    whole = alone.prefill(prompt, keep=0)
+    rows = rows_of(model, contexts)
+    without = rows.forward(trees)
+    held = rows.begin_prompt(prompt)
+    assert held.row == len(contexts) and held.cached == 0
+    for start in range(0, len(prompt), chunk_size):
+        keep = 0 if start == 0 else 1  # every position's logits, then the last one's
+        chunk = Chunk(held, prompt[start : start + chunk_size], keep)
+        logits = rows.forward(trees, list(range(len(trees))), chunk)
+        for row, tree in enumerate(trees):
+            torch.testing.assert_close(logits[row, : len(tree)], without[row, : len(tree)], atol=atol, rtol=0)
+        end = start + len(chunk.tokens)
+        assert held.cached == end == rows.lengths[held.row]
+        want = whole[start:end] if keep == 0 else whole[end - 1 : end]
+        torch.testing.assert_close(chunk.logits, want, atol=atol, rtol=0)
+    assert rows.admit(held) == len(contexts)
+    kept = rows.slots.row_kv(held.row, len(prompt))
+    for (keys, values), layer in zip(kept, [layer for layer in alone.cache.layers]):
+        torch.testing.assert_close(keys, layer.keys[0, :, : len(prompt)], atol=atol, rtol=0)
+        torch.testing.assert_close(values, layer.values[0, :, : len(prompt)], atol=atol, rtol=0)
+
+
+def test_a_prompt_chunk_rides_in_the_pass_as_its_prefill_alone_on_a_tiny_model():
+    model = make_tiny_llama()
+    contexts, trees = contexts_and_trees(model.config.vocab_size)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(model.config.vocab_size, size=23)]
+    assert_chunks_ride_as_a_prefill_alone(model, contexts, trees, prompt, 8, atol=1e-5)
+
+
+@pytest.mark.real
+def test_a_prompt_chunk_rides_in_the_pass_as_its_prefill_alone_on_the_real_model(real):
+    model, _ = real
+    contexts, trees = contexts_and_trees(model.config.vocab_size, (40, 211, 9), (17, 1, 6))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(model.config.vocab_size, size=150)]
+    assert_chunks_ride_as_a_prefill_alone(model, contexts, trees, prompt, 64, atol=1e-3)
+
+
+def test_a_prompt_chunk_rides_only_where_the_rows_pack():
+    model = make_tiny_llama()
+    contexts, trees = contexts_and_trees(model.config.vocab_size)
+    verifier = TreeVerifier(model, FastPaths(packed_rows=False))
+    rows = SlotRows(verifier, model.config, rows=len(contexts) + 1)
+    held = rows.begin_prompt([1, 2, 3])
+    assert held.row is None and held.verifier is not None  # prefilled apart, copied in by admit
+    with pytest.raises(RuntimeError, match="packed pass"):
+        rows.forward([], [], Chunk(held, [1, 2, 3], 1))
 
 
 def test_models_without_grouped_attention_pad():
@@ -99,6 +158,8 @@ def test_models_without_grouped_attention_pad():
 
 
 def test_a_batch_decodes_the_same_packed_and_padded():
+    """Packed, a joining request's chunks ride in the decoding rows' passes, but its
+    prompt's last one, which takes a pass of its own so that it joins that step's pass."""
     from test_batch import tiny_prompts
 
     model = make_tiny_llama()
@@ -107,8 +168,29 @@ def test_a_batch_decodes_the_same_packed_and_padded():
     for packed in (True, False):
         batch = BatchDecoder(model, None, "racer:capacity=16", max_batch=4, prefill_chunk=7, cost=shared_cost(),
                              fast_paths=FastPaths(packed_rows=packed))
+        passes = []
+
+        def spy(name, real):
+            def call(*args, **kwargs):
+                chunk = args[0] if name == "prefill" else args[2] if len(args) > 2 else kwargs.get("chunk")
+                last = chunk is not None and chunk.prompt.cached + len(chunk.tokens) >= len(batch._waiting[0].ids)
+                if name == "prefill" or args[0]:  # a lone chunk's pass goes through forward([], ...) too
+                    passes.append((name, batch.active, chunk is not None, last))
+                return real(*args, **kwargs)
+            return call
+
+        for name in ("forward", "prefill"):
+            setattr(batch.rows, name, spy(name, getattr(batch.rows, name)))
         answers[packed] = [r.tokens for r in batch.generate_all(prompts, max_new_tokens=24)]
-        assert batch.rows.packs is packed  # no pass was refused
+        assert batch.rows.packs is packed
+        riding = [last for name, _, chunk, last in passes if name == "forward" and chunk]
+        apart = [(active, last) for name, active, _, last in passes if name == "prefill"]
+        if packed:
+            assert riding and not any(riding)  # no prompt's last chunk rides
+            assert all(last or active == 0 for active, last in apart)
+            assert any(active > 0 for active, _ in apart)
+        else:
+            assert not riding and any(active > 0 and not last for active, last in apart)
     assert answers[True] == answers[False] == [hf_greedy(model, p, 24) for p in prompts]
 
 

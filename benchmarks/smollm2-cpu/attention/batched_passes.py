@@ -32,13 +32,13 @@ best: dict[int, list[float]] = {few: [], 0: []}
 flips = 0
 
 
-def timed(trees):
+def timed(trees, *rest):
     global flips
     fastest, logits = {few: float("inf"), 0: float("inf")}, {}
     for queries in [0, few] * 3:
         attention.FEW_QUERIES = queries
         start = time.perf_counter()
-        logits[queries] = forward(trees)
+        logits[queries] = forward(trees, *rest)
         fastest[queries] = min(fastest[queries], time.perf_counter() - start)
     attention.FEW_QUERIES = few
     for queries, seconds in fastest.items():

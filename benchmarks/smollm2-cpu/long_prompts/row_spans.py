@@ -34,13 +34,13 @@ best: dict[str, list[float]] = {"spans": [], "padded": []}
 flips, largest = 0, 0.0
 
 
-def timed(trees):
+def timed(trees, *rest):
     global flips, largest
     fastest, logits = {"spans": float("inf"), "padded": float("inf")}, {}
     for way in ["padded", "spans"] * 3:
         attention.PADDED_SHARE = share if way == "spans" else 1.0  # 1.0: never row by row
         start = time.perf_counter()
-        logits[way] = forward(trees)
+        logits[way] = forward(trees, *rest)
         fastest[way] = min(fastest[way], time.perf_counter() - start)
     attention.PADDED_SHARE = share
     for way, seconds in fastest.items():

@@ -33,7 +33,7 @@ rows = SlotRows(verifier, model.config, rows=len(lengths))
 for length in lengths:
     prefilled = TreeVerifier(model, verifier.fast_paths, verifier.facts, verifier.layout)
     prefilled.prefill([int(t) for t in rng.integers(vocab, size=length)])
-    rows.admit(prefilled)
+    rows.load(prefilled)
 trees = [random_tree(rng, vocab, size, max(1, min(size - 1, 8))) for size in sizes]
 # The share of padding below which one attention call is used: never, always, as shipped.
 SHARES = {"packed, row by row": -10.0, "packed, one call": 1.0, "packed, as chosen": rows_module.PADDED_SHARE}
@@ -46,7 +46,7 @@ def run(layout: str) -> None:
             return
         rows_module.PADDED_SHARE = SHARES[layout]
         try:
-            assert rows._packed_forward(trees) is not None
+            assert rows._packed_forward(trees, list(range(len(trees)))) is not None
         finally:
             rows_module.PADDED_SHARE = SHARES["packed, as chosen"]
 

@@ -273,7 +273,7 @@ class BatchedPassTimer:
             prefill.prefill([int(t) for t in rng.integers(vocab, size=cached)])
             self.store = SlotRows(self.verifier, self.model.config, rows=self.most)
             for _ in range(self.most):
-                self.store.admit(prefill)
+                self.store.load(prefill)
             self.context = cached
         rng = np.random.default_rng(rows * 1000 + nodes)
         trees = [random_tree(rng, vocab, nodes, max(1, min(nodes - 1, 8))) for _ in range(rows)]

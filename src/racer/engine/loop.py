@@ -4,7 +4,10 @@ every decoding request's draft tree in one pass. A single request is a batch of 
 
 A joining request is prefilled in chunks of at most ``prefill_chunk`` tokens, one
 chunk per step, so a long prompt delays the requests already decoding by one bounded
-chunk a step; then it takes a row (``racer.engine.rows``). Each step: the budget says
+chunk a step. Where the rows pack (``racer.engine.rows``), the request holds its row
+from its first chunk, and every chunk but its prompt's last rides in the step's one
+pass beside the decoding rows' trees (``_rides``); elsewhere a chunk is a pass of its
+own and the request takes a row when its prefill is done. Each step: the budget says
 whether to draft and how many candidates to ask for; each request's drafter proposes a
 tree; the budget keeps the part of each worth verifying; one pass verifies them all;
 each row accepts its path (greedy, or exact sampling), keeps its KV, and its drafter
@@ -28,7 +31,7 @@ import torch
 from racer.budget import BatchBudget, Budget, CostModel, DraftBudget, StepTiming, WholeTree
 from racer.budget.batch_cost import BatchCostModel, rows_to_measure
 from racer.drafting import Drafter, Method, parse_method
-from racer.drafting.tree import DraftTree, chain
+from racer.drafting.tree import DraftTree
 from racer.engine.calibration import announce_on_stderr, load_or_measure
 from racer.engine.host import to_host
 from racer.engine.memory import DraftSession, DrafterMemory
@@ -37,7 +40,7 @@ from racer.engine.options import GenerationOptions, request_ids
 from racer.engine.prompt_head import PromptHead, latest_positions, spread
 from racer.engine.provenance import accepted_sources
 from racer.engine.results import GenerationResult, StepStats
-from racer.engine.rows import OneRow, Rows, SlotRows
+from racer.engine.rows import Chunk, OneRow, Prompt, Rows, SlotRows
 from racer.engine.sampling import TokenChooser, accept_greedy
 from racer.engine.selftest import WindowCheck, self_test
 from racer.engine.stopping import Stopper, answer_text, end_token_ids
@@ -80,8 +83,7 @@ class _Request:
     scope: Hashable | None
     started: float
     session: DraftSession | None = None  # from the end of its prefill to its finish
-    verifier: TreeVerifier | None = None  # while prefilling
-    prefilled: int = 0
+    prompt: Prompt | None = None  # while prefilling
     logits: list[torch.Tensor] = field(default_factory=list)  # prefill rows the drafter needs (logits or hidden)
     last_logits: torch.Tensor | None = None  # the prompt's last position, until drafting begins
     deferred: bool = False  # ``logits`` holds hidden states for ``PromptHead``
@@ -318,11 +320,13 @@ class BatchDecoder:
 
     # -- one step -------------------------------------------------------------------
     def step(self, early: Callable[[list[Update]], None] | None = None) -> list[Update]:
-        """One prefill chunk for the first waiting request (if a row is free), then one
-        pass over the decoding ones. Returns what each request emitted. ``early``: told
-        what the prefill emitted (a request's first token) before the pass over the
-        decoding requests, so that the first token need not wait for it; those updates
-        are then left out of what ``step`` returns."""
+        """One prefill chunk for the first waiting request (if a row is free) and one
+        pass over the decoding ones: the same pass where the rows pack and some request
+        decodes, else the chunk's pass first. Returns what each request emitted.
+        ``early``: told what the step emitted so far before work the tokens need not wait
+        for (the decoding requests' pass after a chunk's own pass; a joining request's
+        drafter learning its prompt after the shared one); those updates are then left
+        out of what ``step`` returns."""
         if not self._calibrated:
             self.calibrate()
         updates: list[Update] = []
@@ -331,15 +335,29 @@ class BatchDecoder:
                 self._waiting.remove(request)
             self._finish(request, "cancelled")
             updates.append(Update(request.id, [], True))
+        riding = None
         if self._waiting and len(self._active) < self.max_batch:
-            joined = self._prefill_chunk(self._waiting[0], updates)
-            if early is not None and updates:
-                early(updates)
-                updates = []
-            if joined is not None:
-                self._begin_drafting(joined)
+            request = self._waiting[0]
+            chunk = self._next_chunk(request)
+            if self._rides(chunk):
+                riding = chunk
+            else:
+                start = time.perf_counter()
+                with self._capture(request) as hidden:
+                    self.rows.prefill(chunk)
+                joined = self._chunk_done(request, chunk, hidden, updates, time.perf_counter() - start)
+                if early is not None and updates:
+                    early(updates)
+                    updates = []
+                if joined is not None:
+                    self._begin_drafting(joined)
         if self._active:
-            self._verify(updates)
+            joined = self._verify(updates, riding)
+            if joined is not None:
+                if early is not None and updates:
+                    early(updates)
+                    updates = []
+                self._begin_drafting(joined)
         if self._unsaved and not self.busy:
             self._save_cost()
         return updates
@@ -350,53 +368,63 @@ class BatchDecoder:
             save()
         self._unsaved = False
 
-    def _prefill_chunk(self, request: _Request, updates: list[Update]) -> _Request | None:
-        """One chunk of ``request``'s prompt; returns it once its prefill is done and it
-        decodes (its drafting begins with ``_begin_drafting``)."""
-        start = time.perf_counter()
-        if request.verifier is None:
+    def _rides(self, chunk: Chunk) -> bool:
+        """Whether ``chunk`` rides in the decoding rows' pass: where the rows pack, and
+        not the prompt's last chunk, which takes a pass of its own first, so that the
+        request's first token leaves at once and the request joins this step's pass
+        rather than the next one's (on a CPU a step's trees cost about as much inside a
+        chunk's pass as in one of their own: a step's delay outweighs what riding saves)."""
+        last = chunk.prompt.cached + len(chunk.tokens) >= len(self._waiting[0].ids)
+        return self.rows.packs and bool(self._active) and not last
+
+    def _next_chunk(self, request: _Request) -> Chunk:
+        """The next chunk of ``request``'s prompt (its prefill begins with the first)."""
+        if request.prompt is None:
             # A kept prefix of the prompt (``racer.engine.prefixes``) is not computed again.
-            request.verifier, request.prefilled = self.rows.prefill_verifier(request.ids, request.scope)
-            request.result.prompt_reused = request.prefilled
+            request.prompt = self.rows.begin_prompt(request.ids, request.scope)
+            request.result.prompt_reused = request.prompt.cached
             request.deferred = self.needs.prompt and self.prompt_head.usable
-        verifier, ids = request.verifier, request.ids
-        take = ids[request.prefilled : request.prefilled + self.prefill_chunk]
+        done = request.prompt.cached
         # Predictions over the prompt for a drafter that reads them: from the LM head
         # after the first token has left (``racer.engine.prompt_head``) where this model
         # allows it, else in this pass. ``prompt_window`` keeps them to its last positions
         # (a reused prefix has none: the drafter sees the rows computed here).
         window = self.prompt_window if self.needs.prompt else 1
-        deferred = request.deferred
-        with self.prompt_head.capture() if deferred else nullcontext([]) as hidden:
-            keep = 1 if deferred else window
-            if request.prefilled == 0:
-                logits = verifier.prefill(take, keep=keep)
-            else:
-                logits = verifier.verify(chain(take[0], take[1:]), keep=keep)
-                verifier.commit(list(range(len(take))), len(take))
-        request.prefilled += len(take)
-        if deferred and not hidden:  # the model's pass went around the hooked module
+        return Chunk(request.prompt, request.ids[done : done + self.prefill_chunk], 1 if request.deferred else window)
+
+    def _capture(self, request: _Request) -> Any:
+        """The prompt head's capture of ``request``'s hidden states in the pass inside the block."""
+        return self.prompt_head.capture() if request.deferred else nullcontext([])
+
+    def _chunk_done(self, request: _Request, chunk: Chunk, hidden: list[torch.Tensor], updates: list[Update],
+                    seconds: float) -> _Request | None:
+        """After ``chunk``'s pass (``hidden``: what the prompt head captured in it, the
+        chunk first; ``seconds``: the chunk's share of the pass); returns the request once
+        its prefill is done and it decodes (its drafting begins with ``_begin_drafting``)."""
+        start = time.perf_counter()
+        if request.deferred and not hidden:  # the model's pass went around the hooked module
             self.prompt_head.missed()
             request.deferred, request.logits = False, []  # this prompt's drafter sees its last rows only
-        request.logits.append(torch.cat(hidden) if request.deferred else logits)
+        request.logits.append(torch.cat(hidden)[: len(chunk.tokens)] if request.deferred else chunk.logits)
+        window = self.prompt_window if self.needs.prompt else 1
         if window:
             request.logits = [torch.cat(request.logits)[-window:]]
-        if request.prefilled < len(ids):
-            request.result.prefill_s += time.perf_counter() - start
-            self.seconds["prefill"] += time.perf_counter() - start
+        if request.prompt.cached < len(request.ids):
+            request.result.prefill_s += seconds + time.perf_counter() - start
+            self.seconds["prefill"] += seconds + time.perf_counter() - start
             return None
         self._waiting.remove(request)
-        request.last_logits = logits[-1:]
-        root = request.chooser.first(request.last_logits, ids)
-        request.row = self.rows.admit(verifier)
-        request.verifier = None
+        request.last_logits = chunk.logits[-1:]
+        root = request.chooser.first(request.last_logits, request.ids)
+        request.row = self.rows.admit(request.prompt)
+        request.prompt = None
         self._active.append(request)
-        request.result.prefill_s += time.perf_counter() - start
         cut = request.stopper.cut(request.result.tokens, [root])
         request.result.extend(cut.tokens, ["none"], 0)
-        full = verifier.cached + 1 >= self.verifier.max_positions
+        full = self.rows.lengths[request.row] + 1 >= self.verifier.max_positions
         updates.append(Update(request.id, cut.tokens, cut.done or full, ["none"] * len(cut.tokens), 0, 0))
-        self.seconds["prefill"] += time.perf_counter() - start
+        request.result.prefill_s += seconds + time.perf_counter() - start
+        self.seconds["prefill"] += seconds + time.perf_counter() - start
         if cut.done or full:
             request.logits, request.last_logits = [], None
             self._finish(request, request.stopper.reason if cut.done else "context")
@@ -427,30 +455,37 @@ class BatchDecoder:
         request.result.prefill_s += time.perf_counter() - start
         self.seconds["prefill"] += time.perf_counter() - start
 
-    def _verify(self, updates: list[Update]) -> None:
-        """One step over the decoding requests. Every request's ``StepStats`` holds the
-        step's times: ``draft_s`` proposing, choosing and the drafters' updates,
-        ``verify_s`` the pass, reading it, acceptance and keeping the accepted KV."""
+    def _verify(self, updates: list[Update], chunk: Chunk | None = None) -> _Request | None:
+        """One step over the decoding requests, with ``chunk`` (of the first waiting
+        request's prompt) in the same pass where given; returns that request if its
+        prefill is done and it decodes from the next step. Every request's ``StepStats``
+        holds the step's times: ``draft_s`` proposing, choosing and the drafters'
+        updates, ``verify_s`` the pass, reading it, acceptance and keeping the accepted
+        KV (with a chunk in the pass, the trees' share of the pass, in proportion to the
+        positions each computes)."""
         start = time.perf_counter()
-        lengths = list(self.rows.lengths)
+        rows = [request.row for request in self._active]
+        lengths = [self.rows.lengths[row] for row in rows]
         self._windows.before(max(lengths) + self.method.draft_size)
         budget = self.lone_budget if self.lone_budget is not None and len(self._active) == 1 else self.budget
         budget.packed = self.rows.packs
         drafting = budget.drafts()
         proposed: list[DraftTree] = []
-        for request in self._active:
+        for request, length in zip(self._active, lengths):
             root = request.result.tokens[-1]
-            room = self.verifier.max_positions - lengths[request.row]
+            room = self.verifier.max_positions - length
             size = budget.ask(min(self.method.draft_size, request.options.max_tree, room))
             proposed.append(request.session.draft(root, size) if drafting else DraftTree.single(root))
         candidates = [len(tree) for tree in proposed]
         trees = budget.select(proposed, [r.session.acceptance for r in self._active], lengths) if drafting else proposed
         drafted_at = time.perf_counter()
-        logits = self.rows.forward(trees)
+        joining = self._waiting[0] if chunk is not None else None
+        with self._capture(joining) if joining is not None else nullcontext([]) as hidden:
+            logits = self.rows.forward(trees, rows, chunk)
         chosen, topk = self._read(trees, logits)
         accepted = []
-        for request, tree, tokens, rows_topk in zip(self._active, trees, chosen, topk):
-            row_logits = logits[request.row, : len(tree)]
+        for i, (request, tree, tokens, rows_topk) in enumerate(zip(self._active, trees, chosen, topk)):
+            row_logits = logits[i, : len(tree)]
             if tokens is None:  # a sampling walk on the CPU
                 path, following = request.chooser.walk(tree, row_logits, request.ids, request.result.tokens)
             else:
@@ -462,11 +497,17 @@ class BatchDecoder:
             self.rows.commit(request.row, path, len(tree))
             accepted.append((path, following, rows_topk))
         pass_s = time.perf_counter() - drafted_at
+        chunk_s = 0.0
+        if chunk is not None:  # the chunk's share of the pass, by the positions it computed
+            nodes = sum(len(tree) for tree in trees)
+            chunk_s = pass_s * len(chunk.tokens) / (len(chunk.tokens) + nodes)
+            pass_s -= chunk_s
         for request, tree, (path, _, rows_topk) in zip(self._active, trees, accepted):
             request.session.observe(tree, rows_topk, path, rated=drafting)
-        step_s = time.perf_counter() - start
+        step_s = time.perf_counter() - start - chunk_s
         draft_s = step_s - pass_s
-        budget.observe(StepTiming(trees, lengths, pass_s, step_s, draft_s if drafting else None))
+        if chunk is None:  # a pass that carried a prompt chunk says little of what trees cost
+            budget.observe(StepTiming(trees, lengths, pass_s, step_s, draft_s if drafting else None))
         self.seconds["draft"] += draft_s
         self.seconds["verify"] += pass_s
         emitting = time.perf_counter()
@@ -485,6 +526,9 @@ class BatchDecoder:
         self.seconds["emit"] += time.perf_counter() - emitting
         for request, reason in ended:  # after the loop: releasing a row moves another
             self._finish(request, reason)
+        if joining is None:
+            return None
+        return self._chunk_done(joining, chunk, hidden, updates, chunk_s)
 
     def _read(self, trees: list[DraftTree], logits: torch.Tensor) -> tuple[list, list]:
         """Every row's chosen node tokens and the drafter's top-k ids, read in one
@@ -495,9 +539,8 @@ class BatchDecoder:
         late = self.needs.at == "last" and not any(r.chooser.batched for r in self._active)
         k = 0 if late else self.needs.topk
         parts, walking = [], []
-        for request, tree in zip(self._active, trees):
-            chosen = request.chooser.node_tokens(tree, logits[request.row, : len(tree)], request.ids,
-                                                 request.result.tokens)
+        for i, (request, tree) in enumerate(zip(self._active, trees)):
+            chosen = request.chooser.node_tokens(tree, logits[i, : len(tree)], request.ids, request.result.tokens)
             walking.append(chosen is None)
             row = torch.zeros(nodes, dtype=torch.long, device=logits.device)
             if chosen is not None:
@@ -513,14 +556,21 @@ class BatchDecoder:
 
     def _finish(self, request: _Request, reason: str) -> None:
         start = time.perf_counter()
-        if request in self._active:
-            self.rows.keep(request.row, request.scope, request.ids + request.result.tokens)
-            moved = self.rows.release(request.row)
-            self._active.remove(request)
-            for other in self._active:
-                if moved is not None and other.row == moved:
-                    other.row = request.row
+        row = request.row if request in self._active else request.prompt.row if request.prompt is not None else None
+        if row is not None:
+            self.rows.keep(row, request.scope, request.ids + request.result.tokens)
+            moved = self.rows.release(row)
+            if request in self._active:
+                self._active.remove(request)
+            for other in self._active + self._waiting:
+                if moved is None:
+                    break
+                if other.row == moved:
+                    other.row = row
+                elif other.prompt is not None and other.prompt.row == moved:
+                    other.prompt.row = row
             self._active.sort(key=lambda r: r.row)
+        request.prompt = None
         result = request.result
         result.stop_reason = reason
         if request.session is not None:

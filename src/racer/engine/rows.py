@@ -17,6 +17,12 @@ most on a CPU, compute no padding, and each row's queries attend to their own ca
 row. Elsewhere (windowed layers, families whose attention calls alter the attention,
 devices without tree attention) every tree is padded to the largest.
 
+A joining request's prompt is prefilled in chunks (``Chunk``). Where passes are packed,
+the request takes its row before its prefill, and a chunk can ride as one more segment
+of the step's pass, before the rows' trees (the engine says which do), and the prompt's
+KV is written where the request will decode. Elsewhere a chunk is a pass of its own, on
+a verifier of the request's own until ``admit`` copies its KV into a row.
+
 ``SlotRows`` can also keep finished requests' KV (``racer.engine.prefixes``) and start
 a later request of the same scope from the longest kept prefix of its prompt.
 """
@@ -24,44 +30,88 @@ a later request of the same scope from the longest kept prefix of its prompt.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from racer.drafting.tree import DraftTree
+from racer.drafting.tree import DraftTree, chain
 from racer.engine.prefixes import Prefix, PrefixStore
 from racer.engine.slots import SlotCache
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
-from racer.fastpaths.attention import PADDED_SHARE, PackedRows
+from racer.fastpaths.attention import PADDED_SHARE, PackedRows, PaddedRows, Segment
+
+
+@dataclass
+class Prompt:
+    """A request's prompt while it is prefilled (``Rows.begin_prompt``): how many of its
+    leading tokens are cached, and where: in ``row`` (rows that pack), or on
+    ``verifier`` until ``Rows.admit`` takes it into a row."""
+
+    cached: int
+    row: int | None = None
+    verifier: TreeVerifier | None = None
+
+
+@dataclass
+class Chunk:
+    """The next ``tokens`` of ``prompt``, for one pass: the logits at their last ``keep``
+    positions (0: at every one) go to ``logits``, (kept, vocab)."""
+
+    prompt: Prompt
+    tokens: list[int]
+    keep: int
+    logits: torch.Tensor | None = None
+
+    @property
+    def kept(self) -> int:
+        return len(self.tokens) if self.keep == 0 else min(self.keep, len(self.tokens))
 
 
 class Rows(Protocol):
     """What the engine asks of its KV rows."""
 
     lengths: list[int]  # each row's cached tokens (the context but its last token)
-    packs: bool  # whether a pass lays the rows' trees one after another, unpadded
+    packs: bool  # whether a pass lays the rows' trees one after another, unpadded (and takes a prompt chunk)
 
-    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
-        """A verifier to prefill a new request of ``ids`` on (``admit`` then takes it
-        in), and how many of its leading tokens it already holds (a kept prefix)."""
+    def begin_prompt(self, ids: Sequence[int], scope: Hashable | None = None) -> Prompt:
+        """Where a new request of ``ids`` is prefilled, starting after the longest kept
+        prefix of its prompt (``Prompt.cached``) where the rows keep prefixes."""
+
+    def prefill(self, chunk: Chunk) -> None:
+        """Cache ``chunk`` in a pass of its own (its logits in ``chunk.logits``)."""
+
+    def admit(self, prompt: Prompt) -> int:
+        """The prefilled request decodes from now on; returns its row."""
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
         """Before ``row`` is released: keep its KV for later prompts that begin with
         ``tokens`` (its context), where the rows keep prefixes."""
 
-    def admit(self, prefilled: TreeVerifier) -> int:
-        """Take in a prefilled request; returns its row, the last."""
-
     def release(self, row: int) -> int | None:
         """Free ``row``; returns the row that moved into it, if one did."""
 
-    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
-        """Logits at every node of every row's tree: (rows, nodes, vocab), padded."""
+    def forward(self, trees: list[DraftTree], rows: Sequence[int] | None = None,
+                chunk: Chunk | None = None) -> torch.Tensor:
+        """Logits at every node of every tree, tree i on row ``rows[i]`` (default: row
+        i): (trees, nodes, vocab), padded. ``chunk``, where the rows pack: cached in the
+        same pass (its logits in ``chunk.logits``)."""
 
     def commit(self, row: int, path: list[int], tree_size: int) -> None:
         """Keep ``path`` of ``row``'s last tree after its context, drop the rest."""
+
+
+def prefill_on(verifier: TreeVerifier, chunk: Chunk) -> None:
+    """``chunk`` cached on ``verifier``, a pass of its own."""
+    tokens = chunk.tokens
+    if verifier.cached == 0:
+        chunk.logits = verifier.prefill(tokens, keep=chunk.keep)
+    else:
+        chunk.logits = verifier.verify(chain(tokens[0], tokens[1:]), keep=chunk.keep)
+        verifier.commit(list(range(len(tokens))), len(tokens))
+    chunk.prompt.cached = verifier.cached
 
 
 class OneRow:
@@ -77,16 +127,20 @@ class OneRow:
     def lengths(self) -> list[int]:
         return [self.verifier.cached] if self.held else []
 
-    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
+    def begin_prompt(self, ids: Sequence[int], scope: Hashable | None = None) -> Prompt:
         if self.held:
             raise RuntimeError("rows: one request at a time")
-        return self.verifier, 0
+        self.verifier.cached = 0
+        return Prompt(0, verifier=self.verifier)
+
+    def prefill(self, chunk: Chunk) -> None:
+        prefill_on(self.verifier, chunk)
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
         pass
 
-    def admit(self, prefilled: TreeVerifier) -> int:
-        if prefilled is not self.verifier or self.held:
+    def admit(self, prompt: Prompt) -> int:
+        if prompt.verifier is not self.verifier or self.held:
             raise RuntimeError("rows: one request at a time, prefilled on the row's own verifier")
         self.held = True
         return 0
@@ -95,7 +149,10 @@ class OneRow:
         self.held = False
         return None
 
-    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
+    def forward(self, trees: list[DraftTree], rows: Sequence[int] | None = None,
+                chunk: Chunk | None = None) -> torch.Tensor:
+        if chunk is not None or len(trees) != 1:
+            raise RuntimeError("rows: one tree a pass, and no prompt chunk in it")
         return self.verifier.verify(trees[0])[None]
 
     def commit(self, row: int, path: list[int], tree_size: int) -> None:
@@ -107,32 +164,59 @@ class SlotRows:
 
     def __init__(self, verifier: TreeVerifier, config: Any, prefix_bytes: int = 0, rows: int = 1) -> None:
         self.verifier = verifier
+        self.config = config
         self.slots = SlotCache(config, rows)
         self.prefixes = PrefixStore(prefix_bytes if self.slots.every_layer_in_slots else 0)
-        # Whether passes are packed: decided by the model's layout, then by the first
-        # packed pass (an attention call that cannot take packed rows turns it off).
+        # Whether passes are packed: decided by the model's layout and one probe pass
+        # (a family whose attention calls cannot take packed rows pads).
         self.packs = (verifier.fast_paths.packed_rows and verifier.tree_attention is not None
-                      and not verifier.layout.windowed and self.slots.every_layer_in_slots)
+                      and not verifier.layout.windowed and self.slots.every_layer_in_slots and self._packing_works())
+
+    def _packing_works(self) -> bool:
+        """One packed pass of two one-token rows on a cache of its own: whether every
+        attention layer took the packed rows."""
+        held = self.slots
+        self.slots = SlotCache(self.config, 2)
+        try:
+            for _ in range(2):
+                self.slots.admit_kv([], 0)
+            return self._packed_forward([DraftTree.single(0)] * 2, [0, 1]) is not None
+        finally:
+            self.slots = held
 
     @property
     def lengths(self) -> list[int]:
         return self.slots.state.lengths
 
-    def prefill_verifier(self, ids: Sequence[int] = (), scope: Hashable | None = None) -> tuple[TreeVerifier, int]:
+    def begin_prompt(self, ids: Sequence[int], scope: Hashable | None = None) -> Prompt:
+        prefix, length = self.prefixes.longest(scope, ids)
+        if self.packs:
+            return Prompt(length, row=self.slots.admit_kv(prefix.kv if prefix is not None else [], length))
         v = self.verifier
         verifier = TreeVerifier(v.model, v.fast_paths, v.facts, v.layout)
-        prefix, length = self.prefixes.longest(scope, ids)
         if prefix is not None:
             verifier.resume(prefix.kv, length)
-        return verifier, length
+        return Prompt(length, verifier=verifier)
+
+    def prefill(self, chunk: Chunk) -> None:
+        if chunk.prompt.row is None:
+            prefill_on(chunk.prompt.verifier, chunk)
+        else:
+            self.forward([], [], chunk)
+
+    def admit(self, prompt: Prompt) -> int:
+        if prompt.row is not None:
+            return prompt.row
+        return self.load(prompt.verifier)
+
+    def load(self, prefilled: TreeVerifier) -> int:
+        """Copy a request prefilled on a verifier of its own into a new last row."""
+        return self.slots.admit(prefilled.cache, prefilled.cached)
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
         length = min(self.lengths[row], len(tokens))
         if self.prefixes.wants(scope, length):
             self.prefixes.put(scope, Prefix(np.asarray(tokens[:length], dtype=np.int64), self.slots.row_kv(row, length)))
-
-    def admit(self, prefilled: TreeVerifier) -> int:
-        return self.slots.admit(prefilled.cache, prefilled.cached)
 
     def release(self, row: int) -> int | None:
         return self.slots.release(row)
@@ -152,57 +236,100 @@ class SlotRows:
         finally:
             state.lengths = held
 
-    def forward(self, trees: list[DraftTree]) -> torch.Tensor:
-        if self.packs and len(trees) > 1:
-            logits = self._packed_forward(trees)
-            if logits is not None:
-                return logits
-            self.packs = False
+    def forward(self, trees: list[DraftTree], rows: Sequence[int] | None = None,
+                chunk: Chunk | None = None) -> torch.Tensor:
+        rows = list(range(len(trees))) if rows is None else list(rows)
+        every = list(range(len(self.lengths)))
+        if chunk is not None or (self.packs and (len(trees) > 1 or rows != every)):
+            if not self.packs or chunk is not None and chunk.prompt.row is None:
+                raise RuntimeError("rows: a prompt chunk rides only in a packed pass, on the prompt's own row")
+            logits = self._packed_forward(trees, rows, chunk)
+            if logits is None:
+                raise RuntimeError("rows: an attention call refused packed rows that the probe pass took")
+            return logits
+        if rows != every:
+            raise RuntimeError(f"rows: a padded pass covers every row in order, got rows {rows}")
         return self._padded_forward(trees)
 
-    def _packed_forward(self, trees: list[DraftTree]) -> torch.Tensor | None:
-        """The pass with every row's tree in one sequence; None where an attention call
-        could not take packed rows (nothing of that pass is used: a padded pass writes
-        the same cache positions again)."""
+    def _packed_forward(self, trees: list[DraftTree], rows: list[int],
+                        chunk: Chunk | None = None) -> torch.Tensor | None:
+        """The pass with ``chunk``'s tokens first (if any), then every tree, in one
+        sequence; None where an attention call could not take packed rows."""
         v, device = self.verifier, self.verifier.device
-        sizes = [len(tree) for tree in trees]
         lengths = self.lengths
-        starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + size)
-        ids = torch.tensor([[t for tree in trees for t in tree.tokens]], dtype=torch.long, device=device)
-        positions = torch.tensor([[d + length for tree, length in zip(trees, lengths) for d in tree.depths]],
-                                 dtype=torch.long, device=device)
-        allowed = [self._visible(tree, length) for tree, length in zip(trees, lengths)]
-        spans = [length + size for length, size in zip(lengths, sizes)]
-        # One attention call over padded queries where padding adds little attention work
-        # (at long contexts a query's attention costs about what its linear layers do).
-        if sum(n * span for n, span in zip(sizes, spans)) >= (1 - PADDED_SHARE) * len(sizes) * max(sizes) * max(spans):
-            packed = PackedRows(starts, spans, padded=self._padded_attention(starts, sizes, allowed, max(spans)))
-        else:
-            lowest = torch.finfo(v.dtype).min
-            packed = PackedRows(starts, spans, [
-                torch.full((1, 1, *seen.shape), lowest, dtype=v.dtype, device=device).masked_fill_(seen, 0)
-                for seen in allowed])
-        self.slots.begin_packed(sizes, device)
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        if chunk is not None:
+            row, n = chunk.prompt.row, len(chunk.tokens)
+            ids += chunk.tokens
+            positions += range(lengths[row], lengths[row] + n)
+            segments.append(Segment(row, 0, n, lengths[row] + n, self._prompt_mask(lengths[row], n), prompt=True))
+        sizes = [len(tree) for tree in trees]
+        starts = []
+        for tree, row in zip(trees, rows):
+            starts.append(len(ids))
+            ids += tree.tokens
+            positions += [d + lengths[row] for d in tree.depths]
+        total = len(ids)
+        padded = None
+        if trees:
+            allowed = [self._visible(tree, lengths[row]) for tree, row in zip(trees, rows)]
+            spans = [lengths[row] + size for row, size in zip(rows, sizes)]
+            # One attention call over padded queries where padding adds little attention
+            # work (at long contexts a query's attention costs about what its linear layers do).
+            alike = (sum(n * span for n, span in zip(sizes, spans))
+                     >= (1 - PADDED_SHARE) * len(sizes) * max(sizes) * max(spans))
+            if alike and rows == list(range(len(trees))):
+                padded = PaddedRows(*self._padded_attention(starts, sizes, allowed, max(spans)), start=starts[0])
+            else:
+                lowest = torch.finfo(v.dtype).min
+                segments += [Segment(row, start, start + size, span,
+                                     torch.full((1, 1, *seen.shape), lowest, dtype=v.dtype, device=device)
+                                     .masked_fill_(seen, 0))
+                             for row, start, size, span, seen in zip(rows, starts, sizes, spans, allowed)]
+        packed = PackedRows(segments, padded)
+        self.slots.begin_packed(([chunk.prompt.row] if chunk is not None else []) + rows,
+                                ([len(chunk.tokens)] if chunk is not None else []) + sizes, device)
         # The model takes a prepared 4D mask as it is; the rows' own masks are in ``packed``.
-        placeholder = torch.zeros((1, 1, starts[-1], 1), dtype=v.dtype, device=device)
-        linear = v.kernels.using(v.kernel_of(starts[-1]))
+        placeholder = torch.zeros((1, 1, total, 1), dtype=v.dtype, device=device)
+        # A prompt chunk makes the pass a wide one, the model's own layers' case.
+        linear = v.kernels.using("model" if chunk is not None else v.kernel_of(total))
+        kept = (chunk.kept if chunk is not None else 0) + sum(sizes)  # the chunk's head only where asked
+        ids_t = torch.tensor([ids], dtype=torch.long, device=device)
+        positions_t = torch.tensor([positions], dtype=torch.long, device=device)
         try:
             with linear, v.tree_attention.packed(packed):
-                logits = v.forward(ids, positions, placeholder, 0, cache=self.slots.cache, batched=True)
+                logits = v.forward(ids_t, positions_t, placeholder, kept, cache=self.slots.cache, batched=True)[0]
         finally:
             self.slots.state.packed_rows = self.slots.state.packed_at = None
         if packed.refused or packed.calls != len(self.slots.slot_layers):
             return None
-        return logits[0][self._padded_index(starts, sizes)]
+        if chunk is not None:
+            chunk.logits = logits[: chunk.kept]
+            self.slots.state.lengths[chunk.prompt.row] += len(chunk.tokens)
+            chunk.prompt.cached = self.slots.state.lengths[chunk.prompt.row]
+        if not trees:
+            return logits[:0, None]
+        base = total - kept  # packed position of the first row of ``logits``
+        return logits[self._padded_index([start - base for start in starts], sizes)]
+
+    def _prompt_mask(self, length: int, n: int) -> torch.Tensor | None:
+        """A prompt chunk of ``n`` tokens after ``length`` cached ones: each sees the row
+        and itself causally (None where the row holds nothing: the causal kernel's case)."""
+        if length == 0:
+            return None
+        v = self.verifier
+        seen = torch.arange(length + n, device=v.device)[None, :] <= length + torch.arange(n, device=v.device)[:, None]
+        mask = torch.full((1, 1, n, length + n), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
+        return mask.masked_fill_(seen, 0)
 
     def _padded_index(self, starts: list[int], sizes: list[int]) -> torch.Tensor:
-        """(rows, largest size): where row b's i-th node lies in the packed pass (its last
-        node past its own)."""
+        """(rows, largest size): where row b's i-th node lies in the packed pass, row b's
+        tree starting at ``starts[b]`` (its last node past its own)."""
         nodes = max(sizes)
         return torch.tensor([[start + min(i, size - 1) for i in range(nodes)]
-                             for start, size in zip(starts[:-1], sizes)], dtype=torch.long, device=self.verifier.device)
+                             for start, size in zip(starts, sizes)], dtype=torch.long, device=self.verifier.device)
 
     def _padded_attention(self, starts: list[int], sizes: list[int], allowed: list[torch.Tensor],
                           span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

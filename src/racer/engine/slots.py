@@ -144,15 +144,25 @@ class SlotCache:
     def admit(self, single: Any, length: int) -> int:
         """Copy the first ``length`` positions of a one-request cache (as
         ``TreeVerifier`` leaves it) into a new last row; returns the row."""
-        row = self.rows
         sources = [layer for layer in single.layers if layer.keys is not None and layer.keys.dim() == 4]
         if len(sources) != len(self.slot_layers):
             raise RuntimeError("admit: the request's cache has other layers than the batch's")
-        with torch.inference_mode():
-            for target, source in zip(self.slot_layers, sources):
-                if not target.is_initialized:
-                    target.lazy_initialization(source.keys, source.values)
-                target.admit(row, source.keys[..., :length, :], source.values[..., :length, :])
+        return self.admit_kv([(layer.keys[0], layer.values[0]) for layer in sources], length)
+
+    def admit_kv(self, kv: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> int:
+        """A new last row holding the first ``length`` positions of ``kv`` (per slot
+        layer: keys and values (heads, positions, dim), as ``row_kv`` copies them; with
+        ``length`` 0, an empty row that its first pass fills); returns the row."""
+        row = self.rows
+        if length and len(kv) != len(self.slot_layers):
+            raise RuntimeError("admit: the kept KV has other layers than the batch's")
+        if length:
+            with torch.inference_mode():
+                for target, (keys, values) in zip(self.slot_layers, kv):
+                    keys, values = keys[None, :, :length], values[None, :, :length]
+                    if not target.is_initialized:
+                        target.lazy_initialization(keys, values)
+                    target.admit(row, keys, values)
         self.state.lengths.append(length)
         return row
 
@@ -189,16 +199,17 @@ class SlotCache:
         self.state.span = max(self.state.lengths) + nodes
         self.state.packed_rows = self.state.packed_at = None
 
-    def begin_packed(self, sizes: list[int], device: torch.device) -> None:
-        """Before a packed pass of ``sizes[b]`` nodes of row b, one row after another:
-        row b's node i writes at position ``lengths[b] + i``, as in a padded pass."""
+    def begin_packed(self, rows: list[int], sizes: list[int], device: torch.device) -> None:
+        """Before a packed pass of ``sizes[i]`` tokens of row ``rows[i]``, one segment
+        after another: a segment's token j writes at position ``lengths[row] + j``, as in
+        a padded pass."""
         state = self.state
-        rows = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
         starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
-        lengths = torch.tensor(state.lengths)
-        state.packed_rows = rows.to(device)
-        state.packed_at = (lengths[rows] + torch.arange(len(rows)) - starts[rows]).to(device)
-        state.span = max(length + size for length, size in zip(state.lengths, sizes))
+        lengths = torch.tensor([state.lengths[row] for row in rows])
+        state.packed_rows = torch.tensor(rows)[segment].to(device)
+        state.packed_at = (lengths[segment] + torch.arange(len(segment)) - starts[segment]).to(device)
+        state.span = max(state.lengths[row] + size for row, size in zip(rows, sizes))
 
     def compact(self, row: int, path: list[int]) -> None:
         """Keep the KV of ``path`` (node indices in the pass, root first) of ``row``

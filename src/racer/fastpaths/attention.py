@@ -43,23 +43,46 @@ _ALTERING = ("softcap", "position_bias", "s_aux", "sinks", "sliding_window")
 
 
 @dataclass
-class PackedRows:
-    """A batched pass whose rows' trees lie one after another in a single sequence
-    (``starts[b]:starts[b + 1]`` is row b's), so that the linear layers compute no
-    padding. Row b's queries attend to the first ``spans[b]`` positions of its cache row
-    under ``masks[b]``, additive (1, 1, nodes of b, spans[b]); or, where the rows are
-    alike, ``padded`` (instead of ``masks``) holds the same attention as one call: ``(index, mask, back)``,
-    ``index`` (B, N) the packed position of row b's i-th query (its last node past its
-    own), ``mask`` (B, 1, N, longest span) and ``back`` (packed nodes,) each packed
-    node's place in the flattened (B * N) result. ``calls`` counts the attention calls
-    that took the packed rows; ``refused`` is set by one that could not (a family whose
-    layers change the attention itself), whose output is then meaningless: the caller
-    runs the pass again padded."""
+class Segment:
+    """One cache row's queries in a packed pass: packed positions ``start:end`` attend
+    to the first ``span`` positions of cache row ``row`` under ``mask``, additive
+    (1, 1, end - start, span). A ``prompt`` segment (a chunk of a prompt) has many
+    queries and goes to torch's blocked kernel; its ``mask`` None means causal over a
+    row that holds nothing before it (``span == end - start``)."""
 
-    starts: list[int]
-    spans: list[int]
-    masks: list[torch.Tensor] | None = None
-    padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    row: int
+    start: int
+    end: int
+    span: int
+    mask: torch.Tensor | None
+    prompt: bool = False
+
+
+@dataclass
+class PaddedRows:
+    """Tree rows 0..B-1, packed one after another from position ``start`` to the end,
+    attended as one call over padded queries: ``index`` (B, N) the packed position of
+    row b's i-th query (its last node past its own), ``mask`` (B, 1, N, longest span)
+    and ``back`` each packed node's place in the flattened (B * N) result."""
+
+    index: torch.Tensor
+    mask: torch.Tensor
+    back: torch.Tensor
+    start: int = 0
+
+
+@dataclass
+class PackedRows:
+    """A batched pass whose rows' queries lie one after another in a single sequence,
+    so that the linear layers compute no padding: each of ``segments`` is attended on
+    its own, and ``padded``, where given, attends the tree rows after them in one call
+    (where the rows are alike, a call per row costs more in dispatch than padding costs
+    in products). ``calls`` counts the attention calls that took the packed rows;
+    ``refused`` is set by one that could not (a family whose layers change the
+    attention itself), whose output is then meaningless."""
+
+    segments: list[Segment]
+    padded: PaddedRows | None = None
     calls: int = 0
     refused: bool = False
 
@@ -67,26 +90,34 @@ class PackedRows:
 def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  dropout: float, scaling: float | None, kwargs: dict) -> torch.Tensor:
     """Each packed row's queries over its own cache row: (1, packed nodes, heads, dim)."""
+    rows = max([s.row + 1 for s in packed.segments] + [packed.padded.index.shape[0] if packed.padded else 0])
     if (dropout or any(kwargs.get(name) is not None for name in _ALTERING) or query.shape[0] != 1
-            or key.shape[0] < len(packed.spans) or query.shape[1] % key.shape[1]):
+            or key.shape[0] < rows or query.shape[1] % key.shape[1]):
         packed.refused = True
         return query.new_zeros(query.shape).transpose(1, 2)
     packed.calls += 1
-    if packed.padded is not None:
-        # One call over the rows' queries laid out padded: a call per row would cost
-        # more in dispatch than the padding costs in products.
-        index, mask, back = packed.padded
-        rows, nodes = index.shape
-        heads, dim = query.shape[1], query.shape[3]
-        queries = query[0][:, index].transpose(0, 1)  # (B, heads, N, dim)
+    heads, dim = query.shape[1], query.shape[3]
+    group = packed.padded
+    if group is not None:
+        index, mask, back = group.index, group.mask, group.back
         span = mask.shape[-1]
-        result = _grouped_products(queries, key[:rows, :, :span], value[:rows, :, :span], mask, scaling)
-        return result.transpose(1, 2).reshape(rows * nodes, heads, dim)[back].unsqueeze(0)
+        queries = query[0][:, index].transpose(0, 1)  # (B, heads, N, dim)
+        result = _grouped_products(queries, key[: index.shape[0], :, :span], value[: index.shape[0], :, :span],
+                                   mask, scaling)
+        grouped = result.transpose(1, 2).reshape(-1, heads, dim)[back]  # (packed tree nodes, heads, dim)
+        if not packed.segments:
+            return grouped.unsqueeze(0)
     out = query.new_empty(query.shape)
-    for row, span in enumerate(packed.spans):
-        start, end = packed.starts[row], packed.starts[row + 1]
-        out[:, :, start:end] = _grouped_products(query[:, :, start:end], key[row : row + 1, :, :span],
-                                                 value[row : row + 1, :, :span], packed.masks[row], scaling)
+    for s in packed.segments:
+        q = query[:, :, s.start : s.end]
+        k, v = key[s.row : s.row + 1, :, : s.span], value[s.row : s.row + 1, :, : s.span]
+        if s.prompt:
+            out[:, :, s.start : s.end] = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scaling, enable_gqa=True)
+        else:
+            out[:, :, s.start : s.end] = _grouped_products(q, k, v, s.mask, scaling)
+    if group is not None:
+        out[0, :, group.start :] = grouped.transpose(0, 1)
     return out.transpose(1, 2).contiguous()
 
 
