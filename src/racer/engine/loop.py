@@ -346,20 +346,23 @@ class BatchDecoder:
                 with self._capture(request) as hidden:
                     self.rows.prefill(chunk)
                 joined = self._chunk_done(request, chunk, hidden, updates, time.perf_counter() - start)
-                if early is not None and updates:
-                    early(updates)
-                    updates = []
-                if joined is not None:
-                    self._begin_drafting(joined)
+                updates = self._join(joined, updates, early, always=True)
         if self._active:
-            joined = self._verify(updates, riding)
-            if joined is not None:
-                if early is not None and updates:
-                    early(updates)
-                    updates = []
-                self._begin_drafting(joined)
+            updates = self._join(self._verify(updates, riding), updates, early)
         if self._unsaved and not self.busy:
             self._save_cost()
+        return updates
+
+    def _join(self, joined: _Request | None, updates: list[Update], early: Callable[[list[Update]], None] | None,
+              always: bool = False) -> list[Update]:
+        """Hand ``updates`` to ``early`` (where given) before ``joined``'s drafter learns
+        its prompt (or, ``always``, before the pass still to come); returns what is
+        left for ``step`` to return."""
+        if early is not None and updates and (always or joined is not None):
+            early(updates)
+            updates = []
+        if joined is not None:
+            self._begin_drafting(joined)
         return updates
 
     def _save_cost(self) -> None:
@@ -389,8 +392,13 @@ class BatchDecoder:
         # after the first token has left (``racer.engine.prompt_head``) where this model
         # allows it, else in this pass. ``prompt_window`` keeps them to its last positions
         # (a reused prefix has none: the drafter sees the rows computed here).
-        window = self.prompt_window if self.needs.prompt else 1
-        return Chunk(request.prompt, request.ids[done : done + self.prefill_chunk], 1 if request.deferred else window)
+        return Chunk(request.prompt, request.ids[done : done + self.prefill_chunk],
+                     1 if request.deferred else self._window)
+
+    @property
+    def _window(self) -> int:
+        """The prompt's last positions whose predictions the drafter gets (0: all)."""
+        return self.prompt_window if self.needs.prompt else 1
 
     def _capture(self, request: _Request) -> Any:
         """The prompt head's capture of ``request``'s hidden states in the pass inside the block."""
@@ -406,9 +414,8 @@ class BatchDecoder:
             self.prompt_head.missed()
             request.deferred, request.logits = False, []  # this prompt's drafter sees its last rows only
         request.logits.append(torch.cat(hidden)[: len(chunk.tokens)] if request.deferred else chunk.logits)
-        window = self.prompt_window if self.needs.prompt else 1
-        if window:
-            request.logits = [torch.cat(request.logits)[-window:]]
+        if self._window:
+            request.logits = [torch.cat(request.logits)[-self._window:]]
         if request.prompt.cached < len(request.ids):
             request.result.prefill_s += seconds + time.perf_counter() - start
             self.seconds["prefill"] += seconds + time.perf_counter() - start

@@ -283,10 +283,7 @@ class SlotRows:
             if alike and rows == list(range(len(trees))):
                 padded = PaddedRows(*self._padded_attention(starts, sizes, allowed, max(spans)), start=starts[0])
             else:
-                lowest = torch.finfo(v.dtype).min
-                segments += [Segment(row, start, start + size, span,
-                                     torch.full((1, 1, *seen.shape), lowest, dtype=v.dtype, device=device)
-                                     .masked_fill_(seen, 0))
+                segments += [Segment(row, start, start + size, span, self._additive(seen))
                              for row, start, size, span, seen in zip(rows, starts, sizes, spans, allowed)]
         packed = PackedRows(segments, padded)
         self.slots.begin_packed(([chunk.prompt.row] if chunk is not None else []) + rows,
@@ -319,9 +316,15 @@ class SlotRows:
         and itself causally (None where the row holds nothing: the causal kernel's case)."""
         if length == 0:
             return None
+        device = self.verifier.device
+        return self._additive(torch.arange(length + n, device=device)[None, :]
+                              <= length + torch.arange(n, device=device)[:, None])
+
+    def _additive(self, seen: torch.Tensor) -> torch.Tensor:
+        """A boolean (queries, keys) visibility as the additive (1, 1, queries, keys) mask
+        attention takes."""
         v = self.verifier
-        seen = torch.arange(length + n, device=v.device)[None, :] <= length + torch.arange(n, device=v.device)[:, None]
-        mask = torch.full((1, 1, n, length + n), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
+        mask = torch.full((1, 1, *seen.shape), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
         return mask.masked_fill_(seen, 0)
 
     def _padded_index(self, starts: list[int], sizes: list[int]) -> torch.Tensor:
