@@ -375,8 +375,8 @@ class BatchDecoder:
         """Whether ``chunk`` rides in the decoding rows' pass: where the rows pack, and
         not the prompt's last chunk, which takes a pass of its own first, so that the
         request's first token leaves at once and the request joins this step's pass
-        rather than the next one's (on a CPU a step's trees cost about as much inside a
-        chunk's pass as in one of their own: a step's delay outweighs what riding saves)."""
+        rather than the next one's (riding saves only the trees' pass's fixed costs,
+        which the joining request would pay for with a whole step's wait)."""
         last = chunk.prompt.cached + len(chunk.tokens) >= len(self._waiting[0].ids)
         return self.rows.packs and bool(self._active) and not last
 
