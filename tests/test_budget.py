@@ -296,9 +296,28 @@ def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
     for kernels in (["model"], ["model", "model", "fast"]):  # one known kernel per size
         with pytest.raises(ValueError, match="kernel"):
             CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, kernels=kernels)
-    for old in (1, 2, 3, 4, 5):  # before the kernel choice, the packed kernel, tree attention, the curve's scale, per-layer kernels
+    # before the kernel choice, the packed kernel, tree attention, the curve's scale,
+    # per-layer kernels, the prompt chunks' kernel
+    for old in (1, 2, 3, 4, 5, 6):
         with pytest.raises(ValueError, match="unknown format"):
             CostModel.from_json({**model.to_json(), "format": old})
+
+
+def test_prompt_chunks_take_the_kernel_measured_on_a_prompt():
+    table = CostModel([1, 2, 4], [1.0] * 3, length=0, kernels=["packed"] * 3, prefill_size=256,
+                      prefill_kernel="weight_major")
+    got = {n: table.kernel(n) for n in (4, 64, 130, 131, 256, 512, 4096)}
+    # Nearer the largest tree than the prompt's width (or as near): the tree's; nearer the prompt's: the prompt's.
+    assert got == {4: "packed", 64: "packed", 130: "packed", 131: "weight_major", 256: "weight_major",
+                   512: "weight_major", 4096: "weight_major"}
+    assert table.used_kernels == ["packed", "weight_major"]
+    again = CostModel.from_json(table.to_json())
+    assert (again.prefill_size, again.prefill_kernel) == (256, "weight_major")
+    unmeasured = CostModel([1, 2, 4], [1.0] * 3, length=0, kernels=["packed"] * 3)
+    assert unmeasured.kernel(4096) == "packed" and unmeasured.used_kernels == ["model", "packed"]
+    for size, kernel in ((256, "fast"), (-1, "model")):
+        with pytest.raises(ValueError, match="prefill kernel"):
+            CostModel([1], [1.0], length=0, prefill_size=size, prefill_kernel=kernel)
 
 
 def test_unmeasured_sizes_take_the_kernel_of_the_nearest_measured_size():

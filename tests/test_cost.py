@@ -1,6 +1,8 @@
 """Measuring the step-cost curve on a model, caching it on disk, and capacity=auto in
 the decoding loop."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,29 @@ def test_measure_times_every_size_that_fits(tiny):
     assert model.sizes == [1, 2, 4, 8] and all(s > 0 for s in model.seconds)
     assert model.per_position >= 0 and model.per_position_node >= 0
     assert len(model.kernels) == 4 and set(model.kernels) <= set(KERNELS)  # each size keeps its fastest kernel
+
+
+def test_measure_keeps_the_kernel_that_prefilled_a_prompt_fastest(monkeypatch):
+    from racer.engine import calibration
+
+    model = make_tiny_llama()
+    model.config.max_position_embeddings = 1024  # room for a prompt of PREFILL tokens
+    real_prefill = calibration.TreeVerifier.prefill
+    widths = []
+
+    def prefill(verifier, ids, keep=1):
+        if len(ids) > 64:  # a prompt pass, not a tree's context: slow on every kernel but one
+            widths.append(len(ids))
+            if verifier.kernel_of(len(ids)) != "weight_major":
+                time.sleep(0.02)
+        return real_prefill(verifier, ids, keep)
+
+    monkeypatch.setattr(calibration.TreeVerifier, "prefill", prefill)
+    table = measure(model, sizes=(1, 2, 4), length=8, grown=0, repeats=2)
+    assert table.prefill_size == calibration.PREFILL and set(widths) == {calibration.PREFILL}
+    assert table.prefill_kernel == "weight_major" and table.kernel(4096) == "weight_major"
+    model.config.max_position_embeddings = 64  # no prompt fits beside the trees: nothing measured
+    assert measure(model, sizes=(1, 2), length=8, grown=0, repeats=1).prefill_size == 0
 
 
 def test_timing_says_how_far_it_is_and_how_long_is_left(tiny, monkeypatch):
@@ -80,6 +105,21 @@ def test_the_decoder_verifies_with_the_kernel_the_table_chose(tiny, tmp_path, mo
     assert len(announced) == 1 and "timing verification passes" in announced[0]
     Decoder(tiny, None, "pld").calibrate(announce=announced.append)
     assert len(announced) == 1  # read from the cache: nothing to announce
+
+
+def test_prompts_prefill_on_the_kernel_the_table_chose_for_them(tiny, monkeypatch):
+    from racer.fastpaths.kernels import LinearKernels
+
+    table = CostModel([1, 2, 4, 8], [0.01, 0.011, 0.012, 0.02], length=8, kernels=["model"] * 4,
+                      prefill_size=32, prefill_kernel="weight_major")
+    used = []
+    real_using = LinearKernels.using
+    monkeypatch.setattr(LinearKernels, "using", lambda self, kernel: used.append(kernel) or real_using(self, kernel))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(tiny.config.vocab_size, size=40)]
+    decoder = Decoder(tiny, None, "pld", cost=table, check=False)
+    out = decoder.generate(prompt, max_new_tokens=40)  # within the tiny model's 96 positions
+    assert used[0] == "weight_major" and "weight_major" not in used[1:]  # the prompt, then trees of <= 8
+    assert out.tokens == hf_greedy(tiny, prompt, 40)
 
 
 def test_cost_is_cached_per_model_and_hardware(tmp_path, monkeypatch):

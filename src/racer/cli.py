@@ -433,6 +433,8 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     print("nodes: " + " ".join(f"{n:>6}" for n in table.sizes))
     print("ms:    " + " ".join(f"{1000 * t:>6.1f}" for t in table.seconds))
     print("kernel:" + " ".join(f"{KERNEL_LABELS[k]:>6}" for k in table.kernels))
+    if table.prefill_size:
+        print(f"prompt chunks: {KERNEL_LABELS[table.prefill_kernel]} (fastest on {table.prefill_size} prompt tokens)")
     print(f"at a cache of {table.length} tokens; per extra cached token: "
           f"+{1e6 * table.per_position:.2f} µs per step + {1e6 * table.per_position_node:.3f} µs per node")
     return 0

@@ -9,7 +9,9 @@ far from smooth (a 2- or 3-row matmul can cost more than a 4-row one), which is 
 it is a table and not a fitted formula.
 
 Each size keeps the linear kernel that verified it fastest (``racer.fastpaths.KERNELS``),
-and the verifier uses that kernel for that size.
+and the verifier uses that kernel for that size. A prompt's chunks are far wider than
+any tree, so the table also keeps the kernel that computed a pass of ``PREFILL`` prompt
+tokens fastest (``prefill_kernel``), for passes nearer that width than the largest tree.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from typing import Callable, Sequence
 from racer.fastpaths import KERNELS
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PREFILL = 256  # prompt tokens in the pass that chooses the kernel of prompt chunks
 # Raised whenever what a table's numbers mean changes (how it is timed or refreshed);
 # tables of another format are measured again.
-FORMAT = 6
+FORMAT = 7
 
 
 PRIOR_SPREAD = 0.15  # how far off (relative, one sigma) a freshly calibrated size may be
@@ -56,6 +59,9 @@ class CostModel:
     per_position: float = 0.0  # growth per cached token, per step
     per_position_node: float = 0.0  # growth per cached token, per tree node
     kernels: list[str] = field(default_factory=list)  # fastest linear kernel at each size ("model" if empty)
+    # The fastest kernel for a pass of ``prefill_size`` prompt tokens (0: not measured).
+    prefill_size: int = 0
+    prefill_kernel: str = "model"
     # How uncertain each size's time is (variance of its log): shrinks as steps of that
     # size are seen, grows back slowly (up to MAX_VARIANCE) while they are not.
     variance: list[float] = field(default_factory=list)
@@ -74,6 +80,9 @@ class CostModel:
         self.kernels = list(self.kernels) or ["model"] * len(self.sizes)
         if len(self.kernels) != len(self.sizes) or not set(self.kernels) <= set(KERNELS):
             raise ValueError(f"cost model: expected one kernel from {KERNELS} per size, got {self.kernels}")
+        if self.prefill_kernel not in KERNELS or self.prefill_size < 0:
+            raise ValueError(f"cost model: expected a prefill kernel from {KERNELS} and a size >= 0, "
+                             f"got {self.prefill_kernel!r} at {self.prefill_size}")
         self.variance = list(self.variance) or [PRIOR_SPREAD ** 2] * len(self.sizes)
         if len(self.variance) != len(self.sizes) or not all(v > 0 for v in self.variance):
             raise ValueError("cost model: expected one positive variance per size")
@@ -107,10 +116,17 @@ class CostModel:
         return lambda nodes, cached: self._predict(seconds, nodes, cached)
 
     def kernel(self, n: int) -> str:
-        """The linear kernel to verify ``n`` nodes with: that of the nearest measured
-        size (the smaller on a tie; the largest measured size's beyond the table)."""
+        """The linear kernel for a pass of ``n`` positions: that of the nearest measured
+        size (the smaller on a tie), the prefill pass's among them where measured."""
+        if self.prefill_size > self.sizes[-1] and n - self.sizes[-1] > self.prefill_size - n:
+            return self.prefill_kernel
         i, j, w = self._bracket(n)
         return self.kernels[j] if w > 0.5 else self.kernels[i]
+
+    @property
+    def used_kernels(self) -> list[str]:
+        """Every kernel ``kernel`` can return."""
+        return sorted({*self.kernels, self.prefill_kernel})
 
     def refresh(self, nodes: int, cached: int, seconds: float) -> float:
         """Pull the table toward an observed step time, in two parts: the scale of the
@@ -159,7 +175,8 @@ class CostModel:
             raise ValueError("cost model: unknown format")
         return CostModel(list(data["sizes"]), list(data["seconds"]), int(data["length"]),
                          float(data["per_position"]), float(data["per_position_node"]),
-                         [str(k) for k in data["kernels"]], [float(v) for v in data.get("variance", [])], path)
+                         [str(k) for k in data["kernels"]], int(data["prefill_size"]), str(data["prefill_kernel"]),
+                         [float(v) for v in data.get("variance", [])], path)
 
     def save(self) -> None:
         """Write the (refreshed) table back to its cache file, atomically."""

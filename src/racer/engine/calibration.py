@@ -1,5 +1,6 @@
 """Measuring the step-cost table on the model itself (one pass per size and linear
-kernel in each of four shuffled rounds, the fastest kept) and caching it on disk.
+kernel in each of four shuffled rounds, the fastest kept; and which kernel prefills a
+prompt fastest) and caching it on disk.
 
 A kernel is offered only where it gives the logits the model's own layers give
 (checked once, to the tolerance of tree verification itself). Measuring takes tens of
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from racer.budget.batch_cost import BatchCostModel, nodes_to_measure
-from racer.budget.cost import SIZES, CostModel
+from racer.budget.cost import PREFILL, SIZES, CostModel
 from racer.drafting.tree import chain
 from racer.engine.host import host_float, synchronize, to_host
 from racer.engine.model_facts import ModelFacts
@@ -166,7 +167,9 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
             progress.tick()
     progress.close()
     chosen = [min(offered, key=lambda k: best[True, s, k]) for s in sizes]
-    table = CostModel(list(sizes), [best[True, s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen)
+    prefill_size, prefill_kernel = _fastest_prefill(model, fast_paths, offered, rng, repeats // 2 or 1)
+    table = CostModel(list(sizes), [best[True, s, k] for s, k in zip(sizes, chosen)], length, kernels=chosen,
+                      prefill_size=prefill_size, prefill_kernel=prefill_kernel)
     if far is not None:
         at = far.cached
         g_small = (best[False, small, chosen[0]] - table.seconds[0]) / (at - length)
@@ -175,6 +178,32 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
         table.per_position_node = per_node
         table.per_position = max(g_small - per_node * small, 0.0)
     return table
+
+
+def _fastest_prefill(model: Any, fast_paths: FastPaths, offered: Sequence[str], rng: Any,
+                     repeats: int) -> tuple[int, str]:
+    """The prompt width (``PREFILL``, within the context window) and the kernel among
+    ``offered`` that prefilled a prompt of that width fastest, best of ``repeats``
+    shuffled rounds; (0, "model") where the model's own layers are all there is."""
+    verifier = TreeVerifier(model, fast_paths)
+    size = min(PREFILL, verifier.max_positions // 2)
+    if len(offered) == 1 or size <= SIZES[-1]:
+        return 0, "model"
+    prompt = [int(t) for t in rng.integers(verifier.facts.vocab_size, size=size)]
+    best = dict.fromkeys(offered, float("inf"))
+    for kernel in offered:  # warm-up: first-call allocations at this width
+        verifier.use_kernel(kernel)
+        verifier.prefill(prompt)
+    for _ in range(repeats):
+        for index in rng.permutation(len(offered)):
+            kernel = offered[index]
+            verifier.use_kernel(kernel)
+            synchronize(verifier.device)
+            start = time.perf_counter()
+            verifier.prefill(prompt)
+            synchronize(verifier.device)
+            best[kernel] = min(best[kernel], time.perf_counter() - start)
+    return size, min(offered, key=best.__getitem__)
 
 
 def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:
@@ -227,10 +256,12 @@ def load_or_measure(model: Any, refresh: bool = False, fast_paths: FastPaths = F
         timer = BatchedPassTimer(model, single, max(rows), fast_paths)
         table = measure_batch(timer.seconds, rows, announce=announce)
         table.kernel_table = CostModel(list(single.sizes), list(single.seconds), single.length,
-                                       kernels=list(single.kernels))
+                                       kernels=list(single.kernels), prefill_size=single.prefill_size,
+                                       prefill_kernel=single.prefill_kernel)
         return table
 
-    path = batch_cost_file(model, rows, [*map(str, single.sizes), *single.kernels], fast_paths)
+    path = batch_cost_file(model, rows, [*map(str, single.sizes), *single.kernels,
+                                         f"prefill {single.prefill_size}: {single.prefill_kernel}"], fast_paths)
     return _cached(path, read, refresh, announce, f"batched passes of 1-{rows[-1]} requests", build)
 
 
@@ -259,7 +290,7 @@ class BatchedPassTimer:
     def __init__(self, model: Any, single: CostModel, rows: int, fast_paths: FastPaths) -> None:
         self.model, self.most = model, rows
         self.verifier = TreeVerifier(model, fast_paths)
-        self.verifier.set_kernels(single.kernel, single.kernels)  # as the engine verifies
+        self.verifier.set_kernels(single.kernel, single.used_kernels)  # as the engine verifies
         self.store: SlotRows | None = None
         self.context = 0
 

@@ -229,7 +229,7 @@ class BatchDecoder:
                 cost.path = None
         one_tree = cost.kernel_table if isinstance(cost, BatchCostModel) else cost
         if isinstance(one_tree, CostModel):
-            self.verifier.set_kernels(one_tree.kernel, one_tree.kernels)
+            self.verifier.set_kernels(one_tree.kernel, one_tree.used_kernels)
         self.cost = cost
         self.lone_budget = None
         if not self.method.auto or cost is None:

@@ -290,8 +290,7 @@ class SlotRows:
                                 ([len(chunk.tokens)] if chunk is not None else []) + sizes, device)
         # The model takes a prepared 4D mask as it is; the rows' own masks are in ``packed``.
         placeholder = torch.zeros((1, 1, total, 1), dtype=v.dtype, device=device)
-        # A prompt chunk makes the pass a wide one, the model's own layers' case.
-        linear = v.kernels.using("model" if chunk is not None else v.kernel_of(total))
+        linear = v.kernels.using(v.kernel_of(total))
         kept = (chunk.kept if chunk is not None else 0) + sum(sizes)  # the chunk's head only where asked
         ids_t = torch.tensor([ids], dtype=torch.long, device=device)
         positions_t = torch.tensor([positions], dtype=torch.long, device=device)

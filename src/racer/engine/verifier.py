@@ -44,8 +44,8 @@ class TreeVerifier:
         self.layout: AttentionLayout = layout if layout is not None else check_supported(model)
         self.cache: Any = None
         self.cached = 0
-        # Which linear kernel (one of KERNELS) verifies a tree of n nodes: chosen per size
-        # by the measured cost model (``set_kernels``).
+        # Which linear kernel (one of KERNELS) computes a pass of n positions (a tree or a
+        # prompt chunk): chosen per width by the measured cost model (``set_kernels``).
         self.kernel_of: Callable[[int], str] = _model_kernel
         self.kernels = LinearKernels(model)
         # Grouped-query attention of branching trees without repeating the cache's KV
@@ -54,7 +54,8 @@ class TreeVerifier:
                                                      if self.fast_paths.tree_attention else None)
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
-        """Verify a tree of n nodes with kernel ``kernel_of(n)``; ``used`` names every
+        """Compute a pass of n positions (a tree of n nodes, a prompt chunk of n tokens)
+        with kernel ``kernel_of(n)``; ``used`` names every
         kernel it can return, so that what they need (packed weights) is built now, not
         inside the first timed step. Where a kernel cannot run here (no packed weights),
         its sizes run the model's own layers, and so does every size with the kernels
@@ -73,7 +74,7 @@ class TreeVerifier:
         self.kernel_of = runnable_kernel
 
     def use_kernel(self, kernel: str) -> None:
-        """Verify trees of every size with ``kernel``."""
+        """Compute passes of every width, trees and prompts, with ``kernel``."""
         self.set_kernels(lambda n: kernel, [kernel])
 
     # -- forward passes -------------------------------------------------------------
@@ -104,7 +105,8 @@ class TreeVerifier:
         n = len(ids)
         tensor = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
-        logits = self.forward(tensor, positions, None, keep if 0 < keep < n else 0)
+        with self.kernels.using(self.kernel_of(n)):
+            logits = self.forward(tensor, positions, None, keep if 0 < keep < n else 0)
         self.cached = n
         return logits
 
