@@ -131,11 +131,7 @@ def measure(model: Any, sizes: Sequence[int] = SIZES, length: int = 32, grown: i
     def timed(on: Any, size: int, kernel: str) -> float:
         on.use_kernel(kernel)
         tree = random_tree(rng, vocab, size, max(1, min(size - 1, 8)))
-        synchronize(on.device)
-        start = time.perf_counter()
-        on.verify(tree)
-        synchronize(on.device)  # an accelerator returns before its work is done
-        seconds = time.perf_counter() - start
+        seconds = _seconds(on.device, lambda: on.verify(tree))
         on.commit([], size)  # drop the tree again
         return seconds
 
@@ -198,12 +194,18 @@ def _fastest_prefill(model: Any, fast_paths: FastPaths, offered: Sequence[str], 
         for index in rng.permutation(len(offered)):
             kernel = offered[index]
             verifier.use_kernel(kernel)
-            synchronize(verifier.device)
-            start = time.perf_counter()
-            verifier.prefill(prompt)
-            synchronize(verifier.device)
-            best[kernel] = min(best[kernel], time.perf_counter() - start)
+            best[kernel] = min(best[kernel], _seconds(verifier.device, lambda: verifier.prefill(prompt)))
     return size, min(offered, key=best.__getitem__)
+
+
+def _seconds(device: Any, run: Callable[[], Any]) -> float:
+    """Wall seconds of ``run()`` on ``device``, its queued work included (an accelerator
+    returns before its work is done)."""
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def _kernel_agrees(verifier: Any, rng: Any, vocab: int, kernel: str) -> bool:

@@ -55,9 +55,8 @@ class TreeVerifier:
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Compute a pass of n positions (a tree of n nodes, a prompt chunk of n tokens)
-        with kernel ``kernel_of(n)``; ``used`` names every
-        kernel it can return, so that what they need (packed weights) is built now, not
-        inside the first timed step. Where a kernel cannot run here (no packed weights),
+        with kernel ``kernel_of(n)``; ``used`` names every kernel it can return, so that
+        what they need (packed weights) is built now, not inside the first timed step. Where a kernel cannot run here (no packed weights),
         its sizes run the model's own layers, and so does every size with the kernels
         fast path off."""
         used = set(used)
