@@ -51,22 +51,52 @@ def assert_packed_equals_padded(model, contexts, trees, atol: float) -> None:
         assert torch.equal(packed[row, : len(tree)].argmax(-1), padded[row, : len(tree)].argmax(-1))
 
 
-@pytest.mark.parametrize("lengths, sizes, one_call", [
-    ((7, 30, 3, 18), (5, 1, 12, 8), False),  # unlike rows: attended row by row
-    ((20, 22, 19, 21), (6, 5, 6, 4), True),  # alike: one call over padded queries
+@pytest.mark.parametrize("lengths, sizes, call_keys, layout", [
+    ((7, 30, 3, 18), (5, 1, 12, 8), 0, (0, 4)),  # calls cost nothing: every row attended on its own
+    ((20, 22, 19, 21), (6, 5, 6, 4), 550, (1, 0)),  # alike: one call over padded queries
+    ((20, 22, 400, 19), (6, 5, 6, 4), 550, (1, 2)),  # one long row: the short ones before it padded together
 ])
-def test_a_packed_pass_gives_the_padded_pass_logits_on_a_tiny_model(monkeypatch, lengths, sizes, one_call):
+def test_a_packed_pass_gives_the_padded_pass_logits_on_a_tiny_model(monkeypatch, lengths, sizes, call_keys, layout):
     import racer.fastpaths.attention as attention
 
-    calls = []
+    layouts = []
     real = attention._packed_sdpa
-    monkeypatch.setattr(attention, "_packed_sdpa", lambda packed, *args: calls.append(packed.padded is not None)
-                        or real(packed, *args))
+    monkeypatch.setattr(attention, "CALL_KEYS", call_keys)
+    monkeypatch.setattr(attention, "_packed_sdpa", lambda packed, *args: layouts.append(
+        (len(packed.padded), len(packed.segments))) or real(packed, *args))
     model = make_tiny_llama()
     contexts, trees = contexts_and_trees(model.config.vocab_size, lengths, sizes)
     assert_packed_equals_padded(model, contexts, trees, atol=1e-5)
     layers = model.config.num_hidden_layers
-    assert calls == [True] * layers + [one_call] * layers  # the probe pass (two alike rows), then the pass
+    assert layouts[layers:] == [layout] * layers  # after the probe pass
+
+
+def partitions(count: int):
+    """Every split of ``count`` consecutive items into runs, as (first, end) pairs."""
+    for cuts in itertools.product((False, True), repeat=count - 1):
+        bounds = [0] + [i + 1 for i, cut in enumerate(cuts) if cut] + [count]
+        yield list(zip(bounds, bounds[1:]))
+
+
+def test_padded_groups_is_the_cheapest_split_into_runs_of_consecutive_rows():
+    from racer.fastpaths.attention import CALL_KEYS, padded_groups
+
+    def cost(runs, rows, sizes, spans):
+        if any(rows[i] + 1 != rows[i + 1] for first, end in runs for i in range(first, end - 1)):
+            return float("inf")
+        return sum(CALL_KEYS + (end - first) * max(spans[first:end]) * max(sizes[first:end]) ** 0.5
+                   for first, end in runs)
+
+    rng = random.Random(0)
+    for _ in range(300):
+        count = rng.randint(1, 8)
+        rows = sorted(rng.sample(range(count + 2), count))
+        sizes = [rng.choice((1, 2, 4, 8, 16, 64)) for _ in range(count)]
+        spans = [size + rng.choice((3, 50, 300, 900, 3000)) for size in sizes]
+        runs = padded_groups(rows, sizes, spans)
+        assert [first for first, _ in runs] + [count] == [0] + [end for _, end in runs]  # covers every tree once
+        best = min(cost(split, rows, sizes, spans) for split in partitions(count))
+        assert cost(runs, rows, sizes, spans) == pytest.approx(best)
 
 
 @pytest.mark.real

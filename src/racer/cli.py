@@ -183,8 +183,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_model_args(load)
 
     measure = sub.add_parser("measure", help="time parts of a step and 16-bit agreement, for the figures in docs/")
-    measure.add_argument("what", choices=("costs", "agreement", "kernels", "attention", "evidence", "append",
-                                          "selftest", "batch"))
+    measure.add_argument("what", choices=("costs", "agreement", "kernels", "attention", "runs", "evidence",
+                                          "append", "selftest", "batch"))
     measure.add_argument("--dataset", default="human_eval", help="evidence: the questions")
     measure.add_argument("--limit", type=_positive, default=10, help="evidence: prompts per category")
     measure.add_argument("--method", default="racer", help="evidence: a drafter with capacity=auto")

@@ -6,6 +6,7 @@ a step that the public API does not expose.
     racer measure agreement --dtype bfloat16 --methods none,pld,racer:capacity=16
     racer measure kernels --threads 2
     racer measure attention --threads 2
+    racer measure runs --threads 2
     racer measure evidence --dataset human_eval --limit 10 --tokens 256 --threads 2
     racer measure append --threads 2
     racer measure selftest --threads 2
@@ -136,6 +137,53 @@ def attention(threads: int, repeats: int = 11, cached: tuple[int, ...] = (500, 1
                 print(f"cache {length:>5}, {shape:>5} of {size:>2}: "
                       + "   ".join(f"{name} {v:6.1f} ({v / ms['stock']:.2f}x)" for name, v in ms.items())
                       + f"   max |logit diff| {diff:.1e}")
+
+
+def runs(threads: int, repeats: int = 41) -> None:
+    """One layer's attention of a packed pass of 8 tree rows, as the model's heads shape it,
+    three ways: every row on its own, every row in one padded call, and the runs that
+    ``padded_groups`` picks (its cost model's choice): median microseconds, for rows of
+    alike and unlike context lengths and tree sizes. Where "picked" is not the fastest
+    of the three, ``CALL_KEYS`` is off for this machine."""
+    from racer.fastpaths.attention import _grouped_products, padded_groups
+
+    torch.set_num_threads(threads)
+    model, _ = racer.load_model()
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    print(f"{threads} threads; microseconds per layer, median of {repeats}; {heads} query heads, {kv_heads} KV heads")
+    loads = {"alike, 300": [300] * 8, "100..800": list(range(100, 801, 100)), "500..4000": list(range(500, 4001, 500)),
+             "alike, 3000": [3000] * 8, "7 x 200, 1 x 3000": [200] * 7 + [3000]}
+    with torch.inference_mode():
+        for nodes in (1, 4, 8):
+            for name, lengths in loads.items():
+                count, span = len(lengths), max(lengths) + nodes
+                keys, values = torch.randn(count, kv_heads, span, dim), torch.randn(count, kv_heads, span, dim)
+                query = torch.randn(1, heads, count * nodes, dim)
+                spans = [length + nodes for length in lengths]
+
+                def attend(split: list[tuple[int, int]]) -> None:
+                    for first, end in split:
+                        longest = max(spans[first:end])
+                        mask = torch.zeros(end - first, 1, nodes, longest)
+                        for row in range(first, end):
+                            mask[row - first, :, :, spans[row]:] = torch.finfo(mask.dtype).min
+                        queries = query[0, :, first * nodes : end * nodes].reshape(heads, end - first, nodes, dim)
+                        _grouped_products(queries.transpose(0, 1), keys[first:end, :, :longest],
+                                          values[first:end, :, :longest], mask, None)
+
+                splits = {"row by row": [(row, row + 1) for row in range(count)], "one call": [(0, count)],
+                          "picked": padded_groups(list(range(count)), [nodes] * count, spans)}
+                seconds: dict[str, list[float]] = {way: [] for way in splits}
+                for _ in range(repeats):
+                    for way, split in splits.items():
+                        start = time.perf_counter()
+                        attend(split)
+                        seconds[way].append(time.perf_counter() - start)
+                us = {way: 1e6 * statistics.median(v) for way, v in seconds.items()}
+                print(f"{nodes} nodes, contexts {name:>18}: " + "   ".join(f"{way} {v:7.0f}" for way, v in us.items())
+                      + f"   picked {len(splits['picked'])} call(s)")
 
 
 def append(threads: int, cached: int = 400, size: int = 6, repeats: int = 300) -> None:
@@ -337,6 +385,8 @@ def run(args: argparse.Namespace) -> None:
         kernels(a.threads)
     elif a.what == "attention":
         attention(a.threads)
+    elif a.what == "runs":
+        runs(a.threads)
     elif a.what == "append":
         append(a.threads)
     elif a.what == "selftest":

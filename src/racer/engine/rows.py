@@ -41,7 +41,7 @@ from racer.engine.prefixes import Prefix, PrefixStore
 from racer.engine.slots import SlotCache
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
-from racer.fastpaths.attention import PADDED_SHARE, PackedRows, PaddedRows, Segment
+from racer.fastpaths.attention import PackedRows, PaddedRows, Segment, padded_groups
 
 
 @dataclass
@@ -272,19 +272,19 @@ class SlotRows:
             ids += tree.tokens
             positions += [d + lengths[row] for d in tree.depths]
         total = len(ids)
-        padded = None
+        padded: list[PaddedRows] = []
         if trees:
             allowed = [self._visible(tree, lengths[row]) for tree, row in zip(trees, rows)]
             spans = [lengths[row] + size for row, size in zip(rows, sizes)]
-            # One attention call over padded queries where padding adds little attention
-            # work (at long contexts a query's attention costs about what its linear layers do).
-            alike = (sum(n * span for n, span in zip(sizes, spans))
-                     >= (1 - PADDED_SHARE) * len(sizes) * max(sizes) * max(spans))
-            if alike and rows == list(range(len(trees))):
-                padded = PaddedRows(*self._padded_attention(starts, sizes, allowed, max(spans)), start=starts[0])
-            else:
-                segments += [Segment(row, start, start + size, span, self._additive(seen))
-                             for row, start, size, span, seen in zip(rows, starts, sizes, spans, allowed)]
+            for first, end in padded_groups(rows, sizes, spans):
+                if end - first == 1:
+                    segments.append(Segment(rows[first], starts[first], starts[first] + sizes[first], spans[first],
+                                            self._additive(allowed[first])))
+                    continue
+                run = slice(first, end)
+                index, mask, back = self._padded_attention(starts[run], sizes[run], allowed[run], max(spans[run]))
+                stop = starts[end] if end < len(starts) else total
+                padded.append(PaddedRows(index, mask, back, starts[first], stop, rows[first]))
         packed = PackedRows(segments, padded)
         self.slots.begin_packed(([chunk.prompt.row] if chunk is not None else []) + rows,
                                 ([len(chunk.tokens)] if chunk is not None else []) + sizes, device)
@@ -335,8 +335,9 @@ class SlotRows:
 
     def _padded_attention(self, starts: list[int], sizes: list[int], allowed: list[torch.Tensor],
                           span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``PackedRows.padded``: the packed pass's attention as one call over padded rows,
-        a padding query a copy of its row's last node."""
+        """A ``PaddedRows``' index, mask and result order: a run of a packed pass's rows
+        attended as one call over padded queries, a padding query a copy of its row's last
+        node."""
         v, nodes = self.verifier, max(sizes)
         mask = torch.full((len(sizes), 1, nodes, span), torch.finfo(v.dtype).min, dtype=v.dtype, device=v.device)
         for row, (size, seen) in enumerate(zip(sizes, allowed)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -32,6 +32,11 @@ FEW_QUERIES = 16
 # more than this share of the positions attended (the per-row products cost a few
 # small calls a layer each).
 PADDED_SHARE = 0.25
+# A packed pass's attention call costs, beside its products, about what one query
+# attending this many cached positions costs; a few queries of a row read each key
+# together, so a row's products grow with about the square root of its queries
+# (``racer measure runs`` times the layouts this model picks against the others).
+CALL_KEYS = 550
 # Each row's span (its context and the pass's nodes) during a batched pass, set by the
 # caller around the pass (``TreeAttention.spans``).
 _ROW_SPANS: ContextVar[Sequence[int] | None] = ContextVar("racer_row_spans", default=None)
@@ -60,29 +65,59 @@ class Segment:
 
 @dataclass
 class PaddedRows:
-    """Tree rows 0..B-1, packed one after another from position ``start`` to the end,
-    attended as one call over padded queries: ``index`` (B, N) the packed position of
-    row b's i-th query (its last node past its own), ``mask`` (B, 1, N, longest span)
-    and ``back`` each packed node's place in the flattened (B * N) result."""
+    """Consecutive cache rows ``row``..``row + B - 1`` whose trees lie one after another at
+    packed positions ``start``..``end``, attended as one call over padded queries:
+    ``index`` (B, N) the packed position of the group's b-th row's i-th query (its last
+    node past its own), ``mask`` (B, 1, N, longest span) and ``back`` each packed node's
+    place in the flattened (B * N) result."""
 
     index: torch.Tensor
     mask: torch.Tensor
     back: torch.Tensor
-    start: int = 0
+    start: int
+    end: int
+    row: int
+
+
+def padded_groups(rows: Sequence[int], sizes: Sequence[int], spans: Sequence[int]) -> list[tuple[int, int]]:
+    """A packed pass's trees (cache ``rows``, ``sizes`` nodes, each attending its row's
+    first ``spans`` positions) split into runs ``(first, end)`` of consecutive trees, each
+    attended by one call over queries padded to the run's largest tree and keys to its
+    longest span: the split of least modelled cost (``CALL_KEYS`` a call, plus the run's
+    padded rows times its longest span times the square root of its largest tree). A run
+    holds consecutive cache rows only, so that its keys are a slice of the cache, not a
+    copy."""
+    count = len(rows)
+    best = [0.0] + [float("inf")] * count
+    cut = [0] * (count + 1)
+    for end in range(1, count + 1):
+        span = size = 0
+        for first in range(end - 1, -1, -1):
+            if first < end - 1 and rows[first] + 1 != rows[first + 1]:
+                break
+            span, size = max(span, spans[first]), max(size, sizes[first])
+            cost = best[first] + CALL_KEYS + (end - first) * span * size ** 0.5
+            if cost < best[end]:
+                best[end], cut[end] = cost, first
+    runs = []
+    end = count
+    while end:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
 
 
 @dataclass
 class PackedRows:
     """A batched pass whose rows' queries lie one after another in a single sequence,
     so that the linear layers compute no padding: each of ``segments`` is attended on
-    its own, and ``padded``, where given, attends the tree rows after them in one call
-    (where the rows are alike, a call per row costs more in dispatch than padding costs
-    in products). ``calls`` counts the attention calls that took the packed rows;
+    its own, and each of ``padded`` attends a run of tree rows in one call (where rows
+    are alike, a call per row costs more in dispatch than padding costs in products). ``calls`` counts the attention calls that took the packed rows;
     ``refused`` is set by one that could not (a family whose layers change the
     attention itself), whose output is then meaningless."""
 
     segments: list[Segment]
-    padded: PaddedRows | None = None
+    padded: list[PaddedRows] = field(default_factory=list)
     calls: int = 0
     refused: bool = False
 
@@ -90,23 +125,23 @@ class PackedRows:
 def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  dropout: float, scaling: float | None, kwargs: dict) -> torch.Tensor:
     """Each packed row's queries over its own cache row: (1, packed nodes, heads, dim)."""
-    rows = max([s.row + 1 for s in packed.segments] + [packed.padded.index.shape[0] if packed.padded else 0])
+    rows = max([s.row + 1 for s in packed.segments] + [g.row + g.index.shape[0] for g in packed.padded])
     if (dropout or any(kwargs.get(name) is not None for name in _ALTERING) or query.shape[0] != 1
             or key.shape[0] < rows or query.shape[1] % key.shape[1]):
         packed.refused = True
         return query.new_zeros(query.shape).transpose(1, 2)
     packed.calls += 1
     heads, dim = query.shape[1], query.shape[3]
-    group = packed.padded
-    if group is not None:
+    grouped = []
+    for group in packed.padded:
         index, mask, back = group.index, group.mask, group.back
-        span = mask.shape[-1]
+        span, end = mask.shape[-1], group.row + index.shape[0]
         queries = query[0][:, index].transpose(0, 1)  # (B, heads, N, dim)
-        result = _grouped_products(queries, key[: index.shape[0], :, :span], value[: index.shape[0], :, :span],
+        result = _grouped_products(queries, key[group.row : end, :, :span], value[group.row : end, :, :span],
                                    mask, scaling)
-        grouped = result.transpose(1, 2).reshape(-1, heads, dim)[back]  # (packed tree nodes, heads, dim)
-        if not packed.segments:
-            return grouped.unsqueeze(0)
+        grouped.append(result.transpose(1, 2).reshape(-1, heads, dim)[back])  # (the run's nodes, heads, dim)
+    if not packed.segments and len(grouped) == 1 and packed.padded[0].start == 0:
+        return grouped[0].unsqueeze(0)
     out = query.new_empty(query.shape)
     for s in packed.segments:
         q = query[:, :, s.start : s.end]
@@ -116,8 +151,8 @@ def _packed_sdpa(packed: PackedRows, module: Any, query: torch.Tensor, key: torc
                 q, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scaling, enable_gqa=True)
         else:
             out[:, :, s.start : s.end] = _grouped_products(q, k, v, s.mask, scaling)
-    if group is not None:
-        out[0, :, group.start :] = grouped.transpose(0, 1)
+    for group, result in zip(packed.padded, grouped):
+        out[0, :, group.start : group.end] = result.transpose(0, 1)
     return out.transpose(1, 2).contiguous()
 
 
