@@ -63,6 +63,8 @@ def test_tables_round_trip_through_json():
     table.refresh(2, 2, 32, 0.02, 0.025, 0.001)
     again = BatchCostModel.from_json(json.loads(json.dumps(table.to_json())))
     assert again == table and again.kernel_table.kernels == ["model", "packed"]
+    with pytest.raises(ValueError, match="unknown format"):  # 1: before the packed kernel fused siblings
+        BatchCostModel.from_json({**table.to_json(), "format": 1})
     with pytest.raises(ValueError, match="row counts"):
         BatchCostModel([2, 4], table.curves)
 

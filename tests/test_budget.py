@@ -297,8 +297,8 @@ def test_cost_model_round_trips_and_refuses_bad_tables(tmp_path):
         with pytest.raises(ValueError, match="kernel"):
             CostModel([1, 2, 4], [1.0, 1.0, 1.0], length=0, kernels=kernels)
     # before the kernel choice, the packed kernel, tree attention, the curve's scale,
-    # per-layer kernels, the prompt chunks' kernel
-    for old in (1, 2, 3, 4, 5, 6):
+    # per-layer kernels, the prompt chunks' kernel, the packed kernel's fused siblings
+    for old in (1, 2, 3, 4, 5, 6, 7):
         with pytest.raises(ValueError, match="unknown format"):
             CostModel.from_json({**model.to_json(), "format": old})
 

@@ -123,3 +123,68 @@ def test_packed_weights_are_refused_where_they_do_not_fit(monkeypatch):
     assert not LinearKernels(torch.nn.Linear(5, 7)).available("packed")
     with pytest.raises(ValueError, match="kernel"):
         LinearKernels(torch.nn.Linear(5, 7)).available("fast")
+
+
+class _Block(torch.nn.Module):
+    """Attention-like and MLP-like sibling layers, called as a decoder layer calls them."""
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, n, bias=bias) for n in (8, 4, 4))
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 12, bias=False), torch.nn.Linear(8, 12, bias=False)
+        self.down_proj = torch.nn.Linear(12, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        x = x + q + torch.cat([k, v], -1)
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_siblings_are_one_product_with_the_separate_products_bits(monkeypatch, bias):
+    import racer.fastpaths.kernels as kernels
+
+    torch.manual_seed(0)
+    model = _Block(bias)
+    if packed_weights(model) is None:
+        pytest.skip("no oneDNN on this torch build")
+    groups = kernels.packed_siblings(model)
+    if not groups:
+        pytest.skip("this machine's side-by-side products differ from the separate ones")
+    assert [g.layers for g in groups] == [(model.q_proj, model.k_proj, model.v_proj), (model.gate_proj, model.up_proj)]
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[1]) or pointwise(*a))
+    x = torch.randn(1, 5, 8)
+    with torch.inference_mode():
+        want = model(x)
+        with LinearKernels(model).using("packed"):
+            got = model(x)
+        assert calls == [groups[0].packed, groups[1].packed, packed_weights(model)[id(model.down_proj.weight)][2]]
+        assert all(g.input is None for g in groups)  # nothing held past the pass
+        torch.testing.assert_close(got, want)
+        monkeypatch.setattr(kernels, "_SIBLINGS", ())
+        apart = LinearKernels(model)
+        with apart.using("packed"):
+            assert torch.equal(model(x), got)  # bit for bit what separate packed products give
+
+
+def test_a_sibling_called_on_another_input_or_after_a_weight_change_gets_its_own_product():
+    from racer.fastpaths.kernels import packed_siblings
+
+    torch.manual_seed(0)
+    model = _Block()
+    if packed_weights(model) is None or not packed_siblings(model):
+        pytest.skip("no oneDNN, or side-by-side products differ here")
+    a, b = torch.randn(3, 8), torch.randn(3, 8)
+    with torch.no_grad(), LinearKernels(model).using("packed"):  # no_grad: torch counts in-place changes
+        model.q_proj(a)
+        torch.testing.assert_close(model.k_proj(b), b @ model.k_proj.weight.T)  # not a's kept output
+        model.q_proj(a)
+        a.mul_(2)  # changed in place since the product: the kept outputs are stale
+        torch.testing.assert_close(model.v_proj(a), a @ model.v_proj.weight.T)
+    with torch.no_grad():
+        model.up_proj.weight.mul_(3)
+    with torch.no_grad(), LinearKernels(model).using("packed"):
+        model.gate_proj(a)
+        torch.testing.assert_close(model.up_proj(a), a @ model.up_proj.weight.T)

@@ -11,6 +11,13 @@ A kernel is installed for one pass by giving each plain ``nn.Linear`` module an
 instance ``forward`` and taking it away afterwards, rather than intercepting ``linear``
 with a ``TorchFunctionMode``, which would send every torch call of the pass through
 Python.
+The packed kernel also computes sibling layers that read the same input (a layer's
+query, key and value projections; an MLP's gate and up projections) as one product over
+their weights packed side by side: fewer, larger products, and one layer call does the
+work of three. The first sibling called computes every sibling's output and keeps the
+others' for their own calls on that same input. Where this machine's oneDNN does not give
+the side-by-side product bit for bit what the separate ones give, siblings stay apart.
+
 Modules that already carry an instance ``forward`` (accelerate's hooks), subclasses
 (quantised layers) and weights of other dtypes than their inputs keep the model's
 own path. A model shared between threads must not run another forward pass while a
@@ -87,6 +94,128 @@ def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
+# Sibling layers that a block calls on one input, in the attribute names most families use.
+_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Rows of the products that check a side-by-side product against the separate ones.
+_PROBE_ROWS = (1, 7, 64, 300)
+
+
+class Siblings:
+    """Layers of one block called on the same input, computed as one product over their
+    packed, concatenated weights: ``forward_of(i)`` is the i-th layer's forward. The
+    others' outputs are kept, until their own calls, only for the input they came from
+    (the same tensor, unchanged since where torch counts its changes)."""
+
+    def __init__(self, layers: tuple[torch.nn.Linear, ...], packed: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.layers = layers
+        self.packed = packed
+        self.bias = bias
+        self.versions = [layer.weight._version for layer in layers]
+        self.weights = [layer.weight for layer in layers]
+        ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
+        self.bounds = list(zip([0] + ends[:-1], ends))
+        self.clear()
+
+    def clear(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.input_version = -1
+        self.kept: list[torch.Tensor | None] = [None] * len(self.layers)
+
+    def current(self) -> bool:
+        """Whether every layer still has the weight that was packed, unchanged."""
+        return all(layer.weight is weight and weight._version == version
+                   for layer, weight, version in zip(self.layers, self.weights, self.versions))
+
+    def forward_of(self, index: int) -> Forward:
+        layer = self.layers[index]
+        pointwise = torch.ops.mkldnn._linear_pointwise
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            kept = self.kept[index]
+            if kept is not None and self.input is x and self.input_version == _version(x):
+                self.kept[index] = None
+                return kept
+            if x.dtype != layer.weight.dtype or not self.current():
+                return _linear(x, layer.weight, layer.bias)
+            both = pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+            outputs = [both[:, start:end].view(*x.shape[:-1], end - start) for start, end in self.bounds]
+            self.input, self.input_version = x, _version(x)
+            self.kept = [None if i == index else out for i, out in enumerate(outputs)]
+            return outputs[index]
+
+        return forward
+
+
+def _version(x: torch.Tensor) -> int:
+    """``x``'s version counter; 0 for an inference tensor, which counts none (a block
+    does not change its input in place between its siblings' calls)."""
+    return 0 if x.is_inference() else x._version
+
+
+def sibling_groups(model: Any) -> list[tuple[torch.nn.Linear, ...]]:
+    """Groups of plain linear layers (``_SIBLINGS``) of one block that read inputs of one
+    width, with biases on all or none."""
+    plain = {id(m) for m in _plain_layers(model)}
+    groups = []
+    for module in model.modules():
+        for names in _SIBLINGS:
+            layers = tuple(getattr(module, name, None) for name in names)
+            if not all(isinstance(layer, torch.nn.Linear) and id(layer) in plain for layer in layers):
+                continue
+            first = layers[0]
+            if all(layer.in_features == first.in_features and layer.weight.dtype == first.weight.dtype
+                   and layer.weight.device == first.weight.device and (layer.bias is None) == (first.bias is None)
+                   for layer in layers):
+                groups.append(layers)
+    return groups
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)
+
+
+def _side_by_side_exact(widths: tuple[int, ...], features: int) -> bool:
+    """Whether oneDNN's product over weights packed side by side equals, bit for bit, the
+    separate products, for random weights of these shapes."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(width, features, generator=generator) for width in widths]
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    together = _pack(torch.cat(weights))
+    apart = [_pack(w) for w in weights]
+    for rows in _PROBE_ROWS:
+        x = torch.randn(rows, features, generator=generator)
+        joined = pointwise(x, together, None, "none", [], "")
+        if not torch.equal(joined, torch.cat([pointwise(x, w, None, "none", [], "") for w in apart], 1)):
+            return False
+    return True
+
+
+_siblings: "weakref.WeakKeyDictionary[Any, list[Siblings]]" = weakref.WeakKeyDictionary()
+
+
+def packed_siblings(model: Any) -> list[Siblings]:
+    """The model's sibling groups with their weights packed side by side, built once per
+    model; none where packed weights are refused (``packed_weights``), where the copies
+    would take more than half the memory still available, or where this machine's
+    side-by-side products differ from the separate ones."""
+    if model in _siblings:
+        return _siblings[model]
+    groups = sibling_groups(model) if packed_weights(model) is not None else []
+    size = sum(layer.weight.numel() * layer.weight.element_size() for group in groups for layer in group)
+    built: list[Siblings] = []
+    if groups and 2 * size <= _available_memory():
+        exact: dict[tuple, bool] = {}
+        with torch.inference_mode():
+            for group in groups:
+                shape = (tuple(layer.out_features for layer in group), group[0].in_features)
+                if shape not in exact:
+                    exact[shape] = _side_by_side_exact(*shape)
+                if exact[shape]:
+                    bias = torch.cat([layer.bias.detach() for layer in group]) if group[0].bias is not None else None
+                    built.append(Siblings(group, _pack(torch.cat([layer.weight.detach() for layer in group])), bias))
+    _siblings[model] = built
+    return built
+
 
 def weight_major_forward(layer: torch.nn.Linear) -> Forward:
     """``layer``'s forward computed as ``(W @ x.T).T``: the same sums, the weight on the left."""
@@ -151,7 +280,14 @@ class LinearKernels:
             packed = packed_weights(self.model) if kernel in _NEEDS_PACKED else None
             head = getattr(self.model, "get_output_embeddings", lambda: None)()
             forwards = []
+            if kernel == "packed":
+                for group in packed_siblings(self.model):
+                    group.clear()
+                    forwards += [(layer, group.forward_of(i)) for i, layer in enumerate(group.layers)]
+            taken = {id(layer) for layer, _ in forwards}
             for layer in layers:
+                if id(layer) in taken:
+                    continue
                 entry = packed.get(id(layer.weight)) if packed else None
                 wants_packed = kernel == "packed" or (kernel == "hybrid" and layer is head)
                 if wants_packed and entry is not None:
@@ -171,3 +307,6 @@ class LinearKernels:
         finally:
             for layer, _ in forwards:
                 layer.__dict__.pop("forward", None)
+            if kernel == "packed":
+                for group in _siblings.get(self.model, []):
+                    group.clear()  # no pass's activations held past it
