@@ -163,10 +163,17 @@ def test_packed_siblings_are_one_product_with_the_separate_products_bits(monkeyp
         assert calls == [groups[0].packed, groups[1].packed, packed_weights(model)[id(model.down_proj.weight)][2]]
         assert all(g.input is None for g in groups)  # nothing held past the pass
         torch.testing.assert_close(got, want)
-        monkeypatch.setattr(kernels, "_SIBLINGS", ())
-        apart = LinearKernels(model)
-        with apart.using("packed"):
-            assert torch.equal(model(x), got)  # bit for bit what separate packed products give
+        # Bit for bit what separate packed products give, of which none is kept.
+        assert all(id(layer.weight) not in packed_weights(model) for g in groups for layer in g.layers)
+        flat = x.reshape(-1, 8)
+        for group in groups:
+            together = group.forward_of(0)(flat)
+            first = pointwise(flat, kernels._pack(group.layers[0].weight), group.layers[0].bias, "none", [], "")
+            assert torch.equal(together, first)
+            for i, layer in enumerate(group.layers[1:], start=1):
+                apart = pointwise(flat, kernels._pack(layer.weight), layer.bias, "none", [], "")
+                assert torch.equal(group.forward_of(i)(flat), apart)
+            group.clear()
 
 
 def test_a_sibling_called_on_another_input_or_after_a_weight_change_gets_its_own_product():

@@ -17,6 +17,8 @@ their weights packed side by side: fewer, larger products, and one layer call do
 work of three. The first sibling called computes every sibling's output and keeps the
 others' for their own calls on that same input. Where this machine's oneDNN does not give
 the side-by-side product bit for bit what the separate ones give, siblings stay apart.
+A fused sibling's weight is packed side by side only, never also on its own: the packed
+weights take the model's weights' memory once over, not one and a half times.
 
 Modules that already carry an instance ``forward`` (accelerate's hooks), subclasses
 (quantised layers) and weights of other dtypes than their inputs keep the model's
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,7 +45,6 @@ _linear = torch.nn.functional.linear
 
 # (the weight, its version counter when packed, the packed copy)
 PackedWeight = tuple[torch.Tensor, int, torch.Tensor]
-_packed: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _available_memory() -> int:
@@ -66,30 +68,6 @@ def _plain_layers(model: Any) -> list[torch.nn.Linear]:
     subclass), plain 2-D weights, no instance ``forward`` of someone else's."""
     return [m for m in model.modules() if type(m) is torch.nn.Linear and type(m.weight) in _PLAIN
             and m.weight.dim() == 2 and "forward" not in m.__dict__]
-
-
-def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
-    """oneDNN-packed copies of the model's linear weights, built once per model, or None
-    where they cannot be had: no oneDNN, not a float32 CPU model (16-bit oneDNN paths
-    are not offered: their agreement with the model's layers is unchecked), or a copy
-    that would take more than half the memory still available (it doubles the weights'
-    footprint)."""
-    if model in _packed:
-        return _packed[model] or None
-    weights = {id(m.weight): m.weight for m in _plain_layers(model)}
-    fits = 2 * sum(w.numel() * w.element_size() for w in weights.values()) <= _available_memory()
-    usable = (torch.backends.mkldnn.is_available() and fits and weights
-              and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights.values()))
-    packed: dict[int, PackedWeight] = {}
-    if usable:
-        try:
-            with torch.inference_mode():
-                packed = {key: (w, w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size=16))
-                          for key, w in weights.items()}
-        except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
-            packed = {}
-    _packed[model] = packed
-    return packed or None
 
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -190,31 +168,73 @@ def _side_by_side_exact(widths: tuple[int, ...], features: int) -> bool:
     return True
 
 
-_siblings: "weakref.WeakKeyDictionary[Any, list[Siblings]]" = weakref.WeakKeyDictionary()
+@dataclass
+class _Packing:
+    """A model's packed weights: side by side for sibling groups, one copy each for the
+    other layers' weights."""
+
+    singles: dict[int, PackedWeight]
+    siblings: list[Siblings]
+
+
+_packings: "weakref.WeakKeyDictionary[Any, _Packing | None]" = weakref.WeakKeyDictionary()
+
+
+def _packing_of(model: Any) -> _Packing | None:
+    if model in _packings:
+        return _packings[model]
+    layers = _plain_layers(model)
+    weights = {id(m.weight): m.weight for m in layers}
+    fits = 2 * sum(w.numel() * w.element_size() for w in weights.values()) <= _available_memory()
+    usable = (torch.backends.mkldnn.is_available() and fits and weights
+              and all(w.device.type == "cpu" and w.dtype == torch.float32 for w in weights.values()))
+    packing = None
+    if usable:
+        try:
+            with torch.inference_mode():
+                siblings = _side_by_side(model)
+                fused = {id(layer) for group in siblings for layer in group.layers}
+                singles = {id(m.weight): (m.weight, m.weight._version, _pack(m.weight))
+                           for m in layers if id(m) not in fused}
+            packing = _Packing(singles, siblings)
+        except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
+            packing = None
+    _packings[model] = packing
+    return packing
+
+
+def _side_by_side(model: Any) -> list[Siblings]:
+    """The sibling groups whose side-by-side product this machine computes bit for bit
+    as the separate ones, with their weights packed side by side."""
+    exact: dict[tuple, bool] = {}
+    built = []
+    for group in sibling_groups(model):
+        shape = (tuple(layer.out_features for layer in group), group[0].in_features)
+        if shape not in exact:
+            exact[shape] = _side_by_side_exact(*shape)
+        if exact[shape]:
+            bias = torch.cat([layer.bias.detach() for layer in group]) if group[0].bias is not None else None
+            built.append(Siblings(group, _pack(torch.cat([layer.weight.detach() for layer in group])), bias))
+    return built
+
+
+def packed_weights(model: Any) -> dict[int, PackedWeight] | None:
+    """oneDNN-packed copies of the model's linear weights, built once per model, or None
+    where they cannot be had: no oneDNN, not a float32 CPU model (16-bit oneDNN paths
+    are not offered: their agreement with the model's layers is unchecked), or copies
+    that would take more than half the memory still available (they double the
+    weights' footprint). Layers computed as siblings (``packed_siblings``) have no copy
+    of their own here: their group's side-by-side copy is their only one."""
+    packing = _packing_of(model)
+    return packing.singles if packing is not None else None
 
 
 def packed_siblings(model: Any) -> list[Siblings]:
     """The model's sibling groups with their weights packed side by side, built once per
-    model; none where packed weights are refused (``packed_weights``), where the copies
-    would take more than half the memory still available, or where this machine's
-    side-by-side products differ from the separate ones."""
-    if model in _siblings:
-        return _siblings[model]
-    groups = sibling_groups(model) if packed_weights(model) is not None else []
-    size = sum(layer.weight.numel() * layer.weight.element_size() for group in groups for layer in group)
-    built: list[Siblings] = []
-    if groups and 2 * size <= _available_memory():
-        exact: dict[tuple, bool] = {}
-        with torch.inference_mode():
-            for group in groups:
-                shape = (tuple(layer.out_features for layer in group), group[0].in_features)
-                if shape not in exact:
-                    exact[shape] = _side_by_side_exact(*shape)
-                if exact[shape]:
-                    bias = torch.cat([layer.bias.detach() for layer in group]) if group[0].bias is not None else None
-                    built.append(Siblings(group, _pack(torch.cat([layer.weight.detach() for layer in group])), bias))
-    _siblings[model] = built
-    return built
+    model with ``packed_weights``; none where packed weights are refused, or where this
+    machine's side-by-side products differ from the separate ones."""
+    packing = _packing_of(model)
+    return packing.siblings if packing is not None else []
 
 
 def weight_major_forward(layer: torch.nn.Linear) -> Forward:
@@ -267,7 +287,7 @@ class LinearKernels:
         already built for this model, or none needed)."""
         if kernel not in _NEEDS_PACKED:
             return kernel in KERNELS
-        return bool(_packed.get(self.model))
+        return _packings.get(self.model) is not None
 
     def prepare(self, kernel: str) -> None:
         """Build what ``kernel`` needs (packed weights, the layers' forwards) now, not
@@ -308,5 +328,5 @@ class LinearKernels:
             for layer, _ in forwards:
                 layer.__dict__.pop("forward", None)
             if kernel == "packed":
-                for group in _siblings.get(self.model, []):
+                for group in packed_siblings(self.model):
                     group.clear()  # no pass's activations held past it
