@@ -129,51 +129,6 @@ def test_only_nodes_whose_parent_was_accepted_count():
     assert model.estimate(("x", "good")) < 0.1
 
 
-def _random_tree(rng: random.Random, size: int) -> DraftTree:
-    b = TreeBuilder(0, size)
-    while len(b) < size:
-        parent = rng.randrange(len(b))
-        token = rng.randrange(4)
-        if b.build().child(parent, token) is None:
-            b.add_child(parent, token, feature=("f", rng.randrange(3)))
-    return b.build()
-
-
-def test_a_greedy_truth_counts_what_the_verified_path_counts():
-    # On the tree that was verified, the tokens that follow its root (the accepted path's
-    # tokens, then the token chosen after it) settle exactly the nodes ``observe`` counts.
-    rng = random.Random(0)
-    for _ in range(200):
-        tree = _random_tree(rng, rng.randrange(1, 12))
-        truth = [rng.randrange(4) for _ in range(6)]
-        path = [0]
-        while len(path) <= len(truth) and tree.child(path[-1], truth[len(path) - 1]) is not None:
-            path.append(tree.child(path[-1], truth[len(path) - 1]))
-        by_path, by_truth = AcceptanceModel(), AcceptanceModel()
-        by_path.observe(tree, path)
-        by_truth.observe_truth(tree, [tree.tokens[i] for i in path[1:]] + [truth[len(path) - 1]])
-        assert by_truth.counts == by_path.counts
-
-
-def test_a_greedy_truth_settles_candidates_that_were_not_verified():
-    # The budget verified the root alone; the truth (the token emitted after it, then the
-    # next steps' tokens as far as known) still says which candidates would have held.
-    b = TreeBuilder(0, 10)
-    right = b.add_child(0, 5, feature=("copy", 1))
-    b.add_child(0, 6, feature=("guess", 1))
-    b.add_child(right, 7, feature=("copy", 2))  # depth 2: settled by a truth of 2 tokens
-    below = b.add_child(b.build().child(right, 7), 8, feature=("copy", 3))
-    b.add_child(below, 9, feature=("copy", 4))  # past the truth: not counted
-    tree = b.build()
-    model = AcceptanceModel()
-    model.observe_truth(tree, [5, 7, 1])
-    assert model.counts[("copy", 1)] == (1.0, 1.0) and model.counts[("guess", 1)] == (0.0, 1.0)
-    assert model.counts[("copy", 2)] == (1.0, 1.0) and model.counts[("copy", 3)] == (0.0, 1.0)
-    assert ("copy", 4) not in model.counts  # its parent did not match the truth
-    model.observe_truth(tree, [])  # nothing known past the root: nothing counted
-    assert model.counts[("copy",)] == (2.0, 3.0)
-
-
 def test_unseen_feature_leans_on_its_group():
     model = AcceptanceModel()
     b = TreeBuilder(0, 10)

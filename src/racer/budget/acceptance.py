@@ -87,33 +87,13 @@ class AcceptanceModel:
         """Count every node whose parent was accepted: a try, and a hit if accepted too."""
         on_path = set(accepted)
         keys = self._keys(tree)
+        counts, memory = self.counts, self.memory
         for i in range(1, len(tree)):
             if tree.parents[i] in on_path:
-                self._count(keys[i], i in on_path)
-
-    def observe_truth(self, tree: DraftTree, truth: Sequence[int]) -> None:
-        """Count every node of ``tree`` whose outcome ``truth`` settles: ``truth`` is the
-        tokens that follow the root (a greedy request's emitted tokens), so a node at
-        depth d whose parent matched them would have been accepted exactly where its
-        token is ``truth[d - 1]``. Given the candidates the drafter proposed, not only
-        the ones the budget kept, every step counts the whole tree's evidence, and a
-        source whose nodes the budget leaves out is still measured (rated by the
-        verified ones only, a source rated low is seldom verified and stays rated low)."""
-        keys = self._keys(tree)
-        matched = [True] + [False] * (len(tree) - 1)
-        depths, parents, tokens = tree.depths, tree.parents, tree.tokens
-        for i in range(1, len(tree)):
-            depth = depths[i]
-            if matched[parents[i]] and depth <= len(truth):
-                hit = tokens[i] == truth[depth - 1]
-                matched[i] = hit
-                self._count(keys[i], hit)
-
-    def _count(self, key: Any, hit: bool) -> None:
-        counts, memory = self.counts, self.memory
-        for level in evidence_levels(key):
-            h, t = counts.get(level, (0.0, 0.0))
-            h, t = h + (1.0 if hit else 0.0), t + 1.0
-            if t > memory:
-                h, t = h / 2, t / 2
-            counts[level] = (h, t)
+                hit = 1.0 if i in on_path else 0.0
+                for level in evidence_levels(keys[i]):
+                    h, t = counts.get(level, (0.0, 0.0))
+                    h, t = h + hit, t + 1.0
+                    if t > memory:
+                        h, t = h / 2, t / 2
+                    counts[level] = (h, t)

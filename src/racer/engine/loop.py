@@ -509,10 +509,8 @@ class BatchDecoder:
             nodes = sum(len(tree) for tree in trees)
             chunk_s = pass_s * len(chunk.tokens) / (len(chunk.tokens) + nodes)
             pass_s -= chunk_s
-        for request, tree, offered, (path, following, rows_topk) in zip(self._active, trees, proposed, accepted):
-            # A greedy request's next tokens are what it emits, whatever was verified.
-            truth = [tree.tokens[i] for i in path[1:]] + [following] if request.options.greedy else None
-            request.session.observe(tree, rows_topk, path, rated=drafting, candidates=offered, truth=truth)
+        for request, tree, (path, _, rows_topk) in zip(self._active, trees, accepted):
+            request.session.observe(tree, rows_topk, path, rated=drafting)
         step_s = time.perf_counter() - start - chunk_s
         draft_s = step_s - pass_s
         if chunk is None:  # a pass that carried a prompt chunk says little of what trees cost

@@ -97,19 +97,13 @@ class DraftSession:
         return self.drafter.draft(root, size)
 
     def observe(self, tree: DraftTree, tree_topk: np.ndarray | None, accepted: Sequence[int],
-                rated: bool = True, candidates: DraftTree | None = None, truth: Sequence[int] | None = None) -> None:
+                rated: bool = True) -> None:
         """What verifying ``tree`` revealed (``Drafter.observe``); the acceptance model
         learns from it too where ``rated`` (a tree the budget chose from the drafter's
-        rates, not a bare root verified while drafting paused): from every node of
-        ``candidates`` (the tree the drafter proposed) that ``truth`` settles, where the
-        caller knows the tokens that follow the root whatever was verified (greedy
-        decoding: ``AcceptanceModel.observe_truth``), else from ``tree``'s nodes."""
+        rates, not a bare root verified while drafting paused)."""
         self.drafter.observe(tree, tree_topk, accepted)
         if self.acceptance is not None and rated:
-            if candidates is not None and truth is not None:
-                self.acceptance.observe_truth(candidates, truth)
-            else:
-                self.acceptance.observe(tree, accepted)
+            self.acceptance.observe(tree, accepted)
 
 
 class DrafterMemory:
