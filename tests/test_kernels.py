@@ -167,10 +167,7 @@ def test_packed_siblings_are_one_product_with_the_separate_products_bits(monkeyp
         assert all(id(layer.weight) not in packed_weights(model) for g in groups for layer in g.layers)
         flat = x.reshape(-1, 8)
         for group in groups:
-            together = group.forward_of(0)(flat)
-            first = pointwise(flat, kernels._pack(group.layers[0].weight), group.layers[0].bias, "none", [], "")
-            assert torch.equal(together, first)
-            for i, layer in enumerate(group.layers[1:], start=1):
+            for i, layer in enumerate(group.layers):  # the first computes, the others take what it kept
                 apart = pointwise(flat, kernels._pack(layer.weight), layer.bias, "none", [], "")
                 assert torch.equal(group.forward_of(i)(flat), apart)
             group.clear()

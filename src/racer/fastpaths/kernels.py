@@ -198,7 +198,7 @@ def _packing_of(model: Any) -> _Packing | None:
                            for m in layers if id(m) not in fused}
             packing = _Packing(singles, siblings)
         except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
-            packing = None
+            pass
     _packings[model] = packing
     return packing
 
