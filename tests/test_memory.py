@@ -103,3 +103,27 @@ def test_a_session_runs_begin_draft_observe_end_once():
     with pytest.raises(RuntimeError, match="ended twice"):
         memory.end(session)
     assert memory.begin("s", [4], None).drafter is built[0] and len(built) == 2
+
+
+def test_shared_rates_are_one_model_per_scope_that_every_session_of_it_teaches():
+    from racer.drafting import parse_method
+    from racer.drafting.tree import DraftTree
+    from racer.engine.memory import DrafterMemory
+
+    memory = DrafterMemory(lambda: parse_method("pld").drafter, rated=True, limit=4, scopes=2, shared_rates=True)
+    a, b = memory.begin("s", [1, 2, 3, 1, 2], None), memory.begin("s", [5, 6], None)
+    assert a.acceptance is b.acceptance and a.drafter is not b.drafter
+    a.observe(a.draft(3, 4), None, [0, 1])
+    assert b.acceptance.counts  # what a's step showed rates b's nodes too
+    other = memory.begin("t", [7], None)
+    assert other.acceptance is not a.acceptance and not other.acceptance.counts
+    alone = memory.begin(None, [7], None)
+    assert alone.acceptance not in (a.acceptance, other.acceptance)  # no scope: rates of its own
+    memory.end(a)
+    again = memory.begin("s", [9], None)
+    assert again.drafter is a.drafter and again.acceptance is b.acceptance  # the scope's, not the drafter's
+    memory.begin("u", [7], None)
+    assert set(memory.rates) == {"s", "u"}  # the least recently begun scope's rates go first
+    # Without shared rates each drafter keeps its own model, as before.
+    own = DrafterMemory(lambda: parse_method("pld").drafter, rated=True, limit=4)
+    assert own.begin("s", [1], None).acceptance is not own.begin("s", [2], None).acceptance

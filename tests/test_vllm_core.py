@@ -172,6 +172,32 @@ def test_chains_that_overreach_raise_the_floor_by_their_calibration():
     assert drafts._recent[1] < vllm.CALIBRATION_WINDOW
 
 
+def test_a_floor_above_every_current_rate_still_lets_chains_be_tried_and_learnt():
+    """Rates start at the prior (0.5); with a floor above it a chain chosen by the rates'
+    means would never be verified, so nothing would be learnt and nothing drafted ever.
+    Drawn from their posteriors, a repeated text's nodes are tried, found good, and drafted."""
+    drafts = ChainDrafts("racer", tokens=5, min_prob=0.6)
+    request = Verifier(TEXT * 6 + [99], prompt=12)
+    chains = drafts.propose([[request.context[-1]]], [request.context])
+    drafted = []
+    for _ in range(30):
+        drafted.append(len(chains[0]))
+        sampled, chains = run(drafts, [request], chains)
+        if not sampled[0]:
+            break
+    assert drafts.accepted >= 10 and sum(n > 0 for n in drafted[-5:]) >= 3
+
+
+def test_rows_of_one_scope_share_their_acceptance_rates():
+    drafts = ChainDrafts("racer", tokens=4)
+    a, b = Verifier(TEXT, prompt=12), Verifier([40, 41, 42, 43] * 8, prompt=12)
+    drafts.propose([[a.context[-1]], [b.context[-1]]], [a.context, b.context])
+    assert drafts.rows[0].session.acceptance is drafts.rows[1].session.acceptance
+    alone = ChainDrafts("racer", tokens=4, scope=None)
+    alone.propose([[a.context[-1]], [b.context[-1]]], [a.context, b.context])
+    assert alone.rows[0].session.acceptance is not alone.rows[1].session.acceptance
+
+
 def test_the_proposer_reports_its_budget_and_acceptance_every_n_steps(monkeypatch, capsys):
     import numpy as np
     from types import SimpleNamespace as NS
@@ -203,24 +229,47 @@ def test_rows_follow_their_requests_through_reordering_preemption_and_finishing(
     for _ in range(2):
         sampled, chains = run(drafts, [a, b], chains)
     assert drafts.rebuilt == 0 and set(drafts.rows) == {0, 1}
-    # vLLM swaps the rows: each row's context is now the other request's. Both are seen
-    # as changed and get fresh state, and the chains drafted are each request's own.
+    a_drafter, b_drafter = drafts.rows[0].session.drafter, drafts.rows[1].session.drafter
+    # vLLM swaps the rows: each row's context is now the other request's. Each request
+    # is found where it moved to, with its own drafter, and drafts its own text.
     b_chain, a_chain = chains[1], chains[0]
     sampled = [b.step(b_chain), a.step(a_chain)]
     chains = drafts.propose(sampled, [b.context, a.context])
-    assert drafts.rebuilt == 2
+    assert (drafts.rebuilt, drafts.moved, drafts.started) == (0, 2, 2)
+    assert drafts.rows[0].session.drafter is b_drafter and drafts.rows[1].session.drafter is a_drafter
     assert all(t in (40, 41, 42, 43) for t in chains[0]) and all(t in TEXT for t in chains[1])
     # Request b is preempted (row 0 in prefill again: no sampled tokens), then finishes
     # with the batch shrinking to one row.
     chains = drafts.propose([[], a.step(chains[1])], [b.context, a.context])
     assert chains[0] == [] and 0 not in drafts.rows
-    a_drafter = drafts.rows[1].session.drafter
     chains = drafts.propose([a.step(chains[1])], [a.context])
-    # Row 1 left (the batch shrank) and a now sits in the free row 0: fresh state there,
-    # with the drafter freed last (a's own), so its memory carries on.
-    assert set(drafts.rows) == {0} and drafts.rows[0].session.drafter is a_drafter and drafts.rebuilt == 2
+    # Row 1 left (the batch shrank) and a now sits in row 0 (vLLM condensed the batch):
+    # still a's own drafter, not a new start.
+    assert set(drafts.rows) == {0} and drafts.rows[0].session.drafter is a_drafter
+    assert (drafts.rebuilt, drafts.moved, drafts.started) == (0, 3, 2)
     assert all(t in TEXT for t in chains[0])
     assert len(drafts.memory) <= 2  # the idle memory kept is bounded
+
+
+def test_a_moved_request_reads_its_own_slice_of_the_passs_top_k():
+    """The pass that verified the chains ran on the batch as it is now, so a request
+    that moved rows finds its top-k rows at its new place in the pass."""
+    import numpy as np
+
+    drafts = ChainDrafts("racer", tokens=4)
+    a = Verifier(TEXT, prompt=12)
+    b = Verifier([40, 41, 42, 43] * 8, prompt=12)
+    chains = drafts.propose([[a.context[-1]], [b.context[-1]]], [a.context, b.context])
+    assert chains[0] and chains[1]
+    b_root, a_root = b.context[-1], a.context[-1]
+    sampled = [b.step(chains[1]), a.step(chains[0])]  # swapped: b first in the pass
+    sizes = [len(chains[1]) + 1, len(chains[0]) + 1]
+    topk = np.concatenate([np.full((sizes[0], 8), 1000, dtype=np.int64) + np.arange(8),
+                           np.full((sizes[1], 8), 2000, dtype=np.int64) + np.arange(8)])
+    drafts.propose(sampled, [b.context, a.context], topk)
+    assert drafts.moved == 2
+    assert drafts.rows[0].session.drafter.table.row(b_root)[0] == 1000
+    assert drafts.rows[1].session.drafter.table.row(a_root)[0] == 2000
 
 
 def test_a_drafted_chain_that_the_row_did_not_accept_as_proposed_rebuilds_the_row():

@@ -18,6 +18,12 @@ memory of its request's scope (``Drafter.new_shared``, one per scope, made by th
 drafter that asks): every request of the scope, live or ended, writes there, whichever
 drafter serves it. Requests of no scope share nothing.
 
+Rates may be shared too (``shared_rates``): one acceptance model per scope, which every
+session of the scope reads and teaches, instead of one that travels with each drafter.
+An engine that rates few nodes per request (vLLM's proposer verifies one chain a step)
+learns C times as fast, and a new request starts from what its scope has shown.
+Requests of no scope get a model of their own.
+
 Bounded: at most ``limit`` idle drafters are kept over all scopes, the least recently
 returned dropped first; each drafter bounds its own memory (``nodes``, ``k``); shared
 memories are kept for at most ``scopes`` scopes, the least recently begun dropped first
@@ -110,26 +116,43 @@ class DrafterMemory:
     """Drafters for requests, kept between requests by memory scope (``DrafterPool``).
 
     ``build``: a new drafter, attached to its model (``Drafter.attach``); ``rated``:
-    whether each drafter keeps an acceptance model; ``limit``: idle drafters kept;
-    ``scopes``: scopes whose shared memory is kept."""
+    whether sessions are rated by an acceptance model; ``limit``: idle drafters kept;
+    ``scopes``: scopes whose shared memory (and shared rates) are kept;
+    ``shared_rates``: one acceptance model per scope rather than one per drafter."""
 
-    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int, scopes: int = 8) -> None:
+    def __init__(self, build: Callable[[], Drafter], rated: bool, limit: int, scopes: int = 8,
+                 shared_rates: bool = False) -> None:
         if isinstance(scopes, bool) or not isinstance(scopes, int) or scopes < 1:
             raise ValueError(f"scopes: expected a positive integer, got {scopes!r}")
         self.build, self.rated, self.scopes = build, rated, scopes
+        self.shared_rates = shared_rates and rated
         self.pool: DrafterPool[tuple[Drafter, AcceptanceModel | None]] = DrafterPool(limit)
         self.shared: "OrderedDict[Hashable, Any]" = OrderedDict()  # least recently begun first
+        self.rates: "OrderedDict[Hashable, AcceptanceModel]" = OrderedDict()  # least recently begun first
 
     def _new(self) -> tuple[Drafter, AcceptanceModel | None]:
-        return self.build(), AcceptanceModel() if self.rated else None
+        return self.build(), AcceptanceModel() if self.rated and not self.shared_rates else None
 
     def begin(self, scope: Hashable | None, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> DraftSession:
         """A request starts: the drafter its scope handed back last (or a new one)
         learns its prompt (``Drafter.begin``)."""
         drafter, acceptance = self.pool.take(scope, self._new)
+        if self.shared_rates:
+            acceptance = self._rates(scope)
         drafter.share(self._shared(scope, drafter))
         drafter.begin(prompt, prompt_topk)
         return DraftSession(drafter, acceptance, scope)
+
+    def _rates(self, scope: Hashable | None) -> AcceptanceModel:
+        if scope is None:
+            return AcceptanceModel()
+        rates = self.rates.get(scope)
+        if rates is None:
+            rates = self.rates[scope] = AcceptanceModel()
+            while len(self.rates) > self.scopes:
+                self.rates.popitem(last=False)
+        self.rates.move_to_end(scope)
+        return rates
 
     def _shared(self, scope: Hashable | None, drafter: Drafter) -> Any:
         if scope is None:
@@ -153,7 +176,8 @@ class DrafterMemory:
         session.ended = True
         stats = session.drafter.request_stats()
         session.drafter.share(None)  # an idle drafter holds no scope's memory alive
-        self.pool.give_back(session.scope, (session.drafter, session.acceptance))
+        own = None if self.shared_rates else session.acceptance  # shared rates stay with the scope
+        self.pool.give_back(session.scope, (session.drafter, own))
         return stats
 
     def __len__(self) -> int:

@@ -4,14 +4,17 @@ the longest chain, 16 recommended: the chain budget cuts each to what pays).
 
 vLLM verifies chains, not trees, and tells a proposer nothing but each batch row's
 context and the tokens it just sampled: no request ids, no logits. So the core here,
-``ChainDrafts``, is plain Python over racer's drafters: it ties a drafter to each batch
-row by checking that the row still holds the context it drafted for (a request that
-moved, was preempted or finished no longer does, and its drafter goes back to a bounded
-pool of idle ones whose memory the next request inherits: the drafter lifecycle of
-``racer.engine.memory``, as in ``racer serve``), learns what was accepted
-from what the row sampled, and turns racer's tree into the one chain its acceptance
-model rates best. ``RacerProposer`` is the thin shell vLLM builds; the model's top-k at
-every verified position (RACER's copy-logit table) comes from a wrapper around the
+``ChainDrafts``, is plain Python over racer's drafters: it follows each request by its
+context, finding the state that drafted for it on the row it sat on or on the row it
+moved from (vLLM condenses its batch when a request finishes); a request preempted or
+finished is followed by none, and its drafter goes back to a bounded pool of idle ones
+whose memory the next request inherits (the drafter lifecycle of
+``racer.engine.memory``, as in ``racer serve``). It learns what was accepted from
+what the row sampled, and turns racer's tree into the one chain its acceptance model
+rates best: one model per memory scope, taught by every row's chains, its rates drawn
+from their posteriors so that no kind of node is frozen out by a high floor.
+``RacerProposer`` is the thin shell vLLM builds; the model's top-k at every verified
+position (RACER's copy-logit table) comes from a wrapper around the
 target model's ``compute_logits``. vLLM itself is imported by nobody here: racer never
 depends on it.
 
@@ -30,7 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -102,9 +105,10 @@ class ChainDrafts:
         parsed = parse_method(method)  # a bad spec fails here, not at the first step
         self.size, self.needs = parsed.draft_size, parsed.drafter.needs
         self.rows: dict[int, _Row] = {}
-        self.memory = DrafterMemory(self._new_drafter, rated=True, limit=idle)
+        self.memory = DrafterMemory(self._new_drafter, rated=True, limit=idle, shared_rates=True)
         self.started = 0  # requests a row began drafting for
-        self.rebuilt = 0  # of which, rows whose request changed under them with no prefill between
+        self.rebuilt = 0  # of which, on rows whose last request no longer continues there (nor moved)
+        self.moved = 0  # requests followed from one batch row to another
         # Verified chains: tokens proposed, accepted, and accepted as the acceptance model expected.
         self.drafted, self.accepted, self.expected = 0, 0, 0.0
         self.proposals, self.empty = 0, 0  # chains proposed to decoding rows, and of them empty ones
@@ -115,38 +119,70 @@ class ChainDrafts:
         drafter.attach(self.tokenizer, self.end_ids)
         return drafter
 
-    def _free(self, row: int) -> None:
-        state = self.rows.pop(row, None)
-        if state is not None:
-            self.memory.end(state.session)
-
     def propose(self, sampled: Sequence[Sequence[int]], contexts: Sequence[Sequence[int]],
-                topk: Callable[[int], np.ndarray | None] = lambda row: None,
-                min_prob: float | None = None) -> list[list[int]]:
+                topk: np.ndarray | None = None, min_prob: float | None = None) -> list[list[int]]:
         """One step: ``sampled[i]`` the tokens row i just emitted (empty: still in
-        prefill), ``contexts[i]`` its whole context (those tokens included);
-        ``topk(i)``: the model's top-k ids at each position row i's last chain was
-        verified at (root first), if known; ``min_prob`` this step's floor (default:
-        the one given at construction). Returns each row's next chain."""
+        prefill), ``contexts[i]`` its whole context (those tokens included); ``topk``
+        the model's top-k ids at every position the pass verified, in batch order (a
+        decoding row's last chain, root first; one position for any other row), if
+        known; ``min_prob`` this step's floor (default: the one given at construction).
+        Returns each row's next chain."""
         floor = self.min_prob if min_prob is None else min_prob
-        for row in [r for r in self.rows if r >= len(sampled)]:
-            self._free(row)  # the batch shrank: those requests finished
+        ids = [context.tolist() if hasattr(context, "tolist") else [int(t) for t in context] for context in contexts]
+        states = self._follow(sampled, ids)
+        spans = self._spans(states, len(sampled), topk)
         out: list[list[int]] = []
-        for row, (new, context) in enumerate(zip(sampled, contexts)):
+        for row, (new, context) in enumerate(zip(sampled, ids)):
             if not new:
-                self._free(row)
                 out.append([])
                 continue
-            ids = context.tolist() if hasattr(context, "tolist") else [int(t) for t in context]
-            out.append(self._row(row, list(new), ids, topk, floor))
+            out.append(self._row(row, states.get(row), list(new), context, spans.get(row), floor))
         return out
 
-    def _row(self, row: int, new: list[int], context: list[int], topk: Callable, floor: float) -> list[int]:
-        state = self.rows.get(row)
-        if state is not None and not self._continues(state, new, context):
-            self._free(row)
-            self.rebuilt += 1
-            state = None
+    def _follow(self, sampled: Sequence[Sequence[int]], contexts: list[list[int]]) -> dict[int, _Row]:
+        """Each decoding row's state: the one that drafted for its request, wherever
+        that request sat in the last step (vLLM moves requests between rows when others
+        finish or are preempted, and tells a proposer nothing of it). States no row
+        continues are ended."""
+        kept: dict[int, _Row] = {}
+        loose = dict(self.rows)
+        for row, (new, context) in enumerate(zip(sampled, contexts)):
+            state = loose.get(row)
+            if new and state is not None and self._continues(state, new, context):
+                kept[row] = loose.pop(row)
+        for row, (new, context) in enumerate(zip(sampled, contexts)):
+            if not new or row in kept:
+                continue
+            for at, state in loose.items():
+                if self._continues(state, new, context):
+                    kept[row] = loose.pop(at)
+                    self.moved += 1
+                    break
+            else:
+                self.rebuilt += row in self.rows
+        for state in loose.values():
+            self.memory.end(state.session)
+        self.rows = kept
+        return kept
+
+    def _spans(self, states: dict[int, _Row], rows: int, topk: np.ndarray | None) -> dict[int, np.ndarray]:
+        """Each decoding row's slice of the pass's top-k: its last chain's positions,
+        in batch order; nothing when the counts do not add up (every other row has one
+        position)."""
+        if topk is None:
+            return {}
+        sizes = [len(states[r].chain) if r in states and states[r].chain is not None else 1 for r in range(rows)]
+        if sum(sizes) != len(topk):
+            return {}
+        out, at = {}, 0
+        for row, size in enumerate(sizes):
+            if row in states:
+                out[row] = topk[at : at + size]
+            at += size
+        return out
+
+    def _row(self, row: int, state: _Row | None, new: list[int], context: list[int], rows_topk: np.ndarray | None,
+             floor: float) -> list[int]:
         if state is None:
             self.started += 1
             session = self.memory.begin(self.scope, context[:-1], None)
@@ -154,7 +190,6 @@ class ChainDrafts:
         elif state.chain is not None:
             accepted = len(new) - 1  # the row sampled its accepted drafts, then one token of its own
             path = list(range(accepted + 1))
-            rows_topk = topk(row)
             if rows_topk is not None and len(rows_topk) != len(state.chain):
                 rows_topk = None
             state.session.observe(state.chain, rows_topk, path)
@@ -166,11 +201,18 @@ class ChainDrafts:
                 self._recent = [self._recent[0] / 2, self._recent[1] / 2]
         state.length = len(context)
         tree = state.session.draft(context[-1], self.size)
-        path_p = path_probabilities(tree.parents, state.session.acceptance.probabilities(tree))
+        # Rates drawn from their posteriors (Thompson sampling): with a floor above a
+        # key's current estimate, a mean would never verify that key again to learn otherwise.
+        rates = state.session.acceptance.probabilities(tree, explore=True)
+        path_p = path_probabilities(tree.parents, rates)
         nodes = _best_path(tree, path_p, self.tokens, min(1.0, floor / self.calibration()))
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
-        state.expected = sum(path_p[i] for i in nodes)
+        if nodes:  # expected by the rates' means, not the draws that chose the chain
+            means = path_probabilities(tree.parents, state.session.acceptance.probabilities(tree))
+            state.expected = sum(means[i] for i in nodes)
+        else:
+            state.expected = 0.0
         self.proposals += 1
         self.empty += not nodes
         return [tree.tokens[i] for i in nodes]
@@ -269,11 +311,10 @@ class RacerProposer:
         contexts = [token_ids_cpu[i, : int(num_tokens_no_spec[i])] for i in range(len(sampled_token_ids))]
         rows = self._logits_rows
         self._logits_rows = None
-        spans = self._spans(sampled_token_ids, rows)
         floor = self.budget.floor() if self.budget is not None else None
-        before = (self.drafts.started, self.drafts.rebuilt)
-        chains = self.drafts.propose(sampled_token_ids, contexts, lambda row: spans.get(row), floor)
-        if self.budget is not None and (self.drafts.started, self.drafts.rebuilt) == before:
+        before = (self.drafts.started, self.drafts.rebuilt, self.drafts.moved)
+        chains = self.drafts.propose(sampled_token_ids, contexts, rows, floor)
+        if self.budget is not None and (self.drafts.started, self.drafts.rebuilt, self.drafts.moved) == before:
             self._time_step(now, sampled_token_ids)
         self._last = (now, chains)
         self._steps += 1
@@ -300,21 +341,3 @@ class RacerProposer:
         then, chains = self._last
         if len(chains) == len(sampled) and all(0 < len(s) <= len(c) + 1 for s, c in zip(sampled, chains)):
             self.budget.observe(len(chains), sum(map(len, chains)), sum(map(len, sampled)), now - then)
-
-    def _spans(self, sampled: list[list[int]], rows: np.ndarray | None) -> dict[int, np.ndarray]:
-        """Each row's slice of the last pass's top-k: its last chain's positions plus
-        one, in batch order; nothing when the counts do not add up (a row in prefill
-        has one position; a new row none the drafter could use)."""
-        if rows is None:
-            return {}
-        sizes = []
-        for row in range(len(sampled)):
-            state = self.drafts.rows.get(row)
-            sizes.append(len(state.chain) if state is not None and state.chain is not None else 1)
-        if sum(sizes) != len(rows):
-            return {}
-        out, at = {}, 0
-        for row, size in enumerate(sizes):
-            out[row] = rows[at : at + size]
-            at += size
-        return out
