@@ -208,11 +208,9 @@ class ChainDrafts:
         nodes = _best_path(tree, path_p, self.tokens, min(1.0, floor / self.calibration()))
         # A path's indices increase, so root + path is a subtree: sources and evidence keys kept.
         state.chain = tree.subtree([0] + nodes)
-        if nodes:  # expected by the rates' means, not the draws that chose the chain
-            means = path_probabilities(tree.parents, state.session.acceptance.probabilities(tree))
-            state.expected = sum(means[i] for i in nodes)
-        else:
-            state.expected = 0.0
+        # Expected by the rates' means, not the draws that chose it: over the chain's nodes only.
+        chain = state.chain
+        state.expected = sum(path_probabilities(chain.parents, state.session.acceptance.probabilities(chain))[1:])
         self.proposals += 1
         self.empty += not nodes
         return [tree.tokens[i] for i in nodes]
