@@ -100,6 +100,9 @@ class Rows:
         return list(self.forwards[key])
 
 
+STEPS: list | None = None  # set to a list to log each step: (request, answer tokens before it, chain, accepted)
+
+
 def replay(data: dict, c: int, propose, finish=None) -> dict:
     """Decode every record with at most ``c`` rows at once. ``propose(rows)`` gets, per
     row, (request, tokens just emitted, whole context) and returns each row's chain."""
@@ -128,6 +131,8 @@ def replay(data: dict, c: int, propose, finish=None) -> dict:
             stats["drafted"] += len(chain)
             stats["accepted"] += accepted
             stats["empty"] += not chain
+            if STEPS is not None:
+                STEPS.append((req, done, [int(t) for t in chain], accepted))
             stats["emitted"] += len(emitted)
             if done + len(emitted) < len(answer):
                 still.append([req, done + len(emitted), emitted])

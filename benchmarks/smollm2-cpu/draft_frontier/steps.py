@@ -13,29 +13,11 @@ import replay
 
 
 def log(path: Path, c: int, out: str, method: str, floor: float | None) -> None:
-    steps = []
-    plain = replay.replay
-
-    def logged(data, c, propose, finish=None):
-        records = data["records"]
-
-        def wrapped(view):
-            chains = propose(view)
-            for (req, _, context), chain in zip(view, chains):
-                at = len(context) - len(records[req]["prompt"])  # answer tokens emitted so far
-                left, accepted = records[req]["answer"][at:], 0
-                while accepted < min(len(chain), len(left)) and chain[accepted] == left[accepted]:
-                    accepted += 1
-                steps.append((req, at, [int(t) for t in chain], accepted))
-            return chains
-
-        return plain(data, c, wrapped, finish)
-
-    replay.replay = logged
+    replay.STEPS = []
     results = replay.run_suffix(path, c) if method == "suffix" else replay.run_racer(path, c, method, [floor])
     for key, (reached, accepted) in results[0].get("by_key", {}).items():
         print(f"  {key}: {accepted}/{reached} accepted where reached ({accepted / reached:.2f})")
-    json.dump(steps, open(out, "w"))
+    json.dump(replay.STEPS, open(out, "w"))
 
 
 def join(first: str, second: str) -> None:
