@@ -83,6 +83,7 @@ def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, mon
 
     monkeypatch.setattr("racer.bench.servers.subprocess.Popen", Popen)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("RACER_VLLM_METHOD", "racer:memory=fresh")
     server = vllm_server("racer", 8123, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path,
                          racer_tokens=10)
     command = started["command"]
@@ -93,10 +94,11 @@ def test_a_vllm_server_is_started_as_a_module_with_its_speculation(tmp_path, mon
     env = started["env"]
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and started["start_new_session"]
-    assert server.name == "vllm racer" and server.model == "smol" and env["RACER_VLLM_METHOD"] == "racer"
-    server = vllm_server("racer:memory=shared", 8125, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5,
+    # "racer" is the proposer's default method, whatever the caller's environment says.
+    assert server.name == "vllm racer" and server.model == "smol" and "RACER_VLLM_METHOD" not in env
+    server = vllm_server("racer:memory=kept", 8125, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5,
                          tmp_path)
-    assert started["env"]["RACER_VLLM_METHOD"] == "racer:memory=shared" and server.name == "vllm racer:memory=shared"
+    assert started["env"]["RACER_VLLM_METHOD"] == "racer:memory=kept" and server.name == "vllm racer:memory=kept"
     vllm_server("none", 8124, "/venv/bin/python", "/models/smol", "smol", "float32", 2, 8, 5, tmp_path)
     assert "--speculative-config" not in started["command"]
 

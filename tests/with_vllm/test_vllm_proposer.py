@@ -64,6 +64,8 @@ def plain_outputs():
 
 
 def test_greedy_with_racers_proposer_is_vllms_own_output_batch_1_and_8(plain_outputs):
+    # The default method (memory=shared): 8 at once writing one shared memory, then some
+    # again alone, drafting from what the first pass wrote.
     questions = plain_outputs["questions"]
     engine = Engine(RACER)
     try:
@@ -91,11 +93,11 @@ def test_the_proposer_follows_requests_through_a_scheduler_with_fewer_rows_than_
         engine.close()
 
 
-def test_a_shared_memory_that_every_request_writes_into_changes_no_output(plain_outputs, monkeypatch):
-    # memory=shared: every request reads and writes one automaton and copy-logit table
-    # while the others decode (8 at once), then each again alone, drafting from what the
-    # first pass wrote: vLLM's own output every time.
-    monkeypatch.setenv("RACER_VLLM_METHOD", "racer:memory=shared")
+def test_greedy_with_the_kept_memory_method_is_vllms_own_output(plain_outputs, monkeypatch):
+    # The proposer's default (the tests above) shares one automaton and copy-logit table
+    # that every request writes into while the others decode; memory=kept instead hands
+    # a finished request's whole drafter to the next one: vLLM's own output every time.
+    monkeypatch.setenv("RACER_VLLM_METHOD", "racer:memory=kept")
     questions = plain_outputs["questions"]
     engine = Engine(RACER)
     try:

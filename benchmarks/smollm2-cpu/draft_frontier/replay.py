@@ -86,7 +86,8 @@ class Rows:
 
             if self._verifier is None:
                 import racer
-                torch.set_num_threads(2)
+                import os
+                torch.set_num_threads(int(os.environ.get("REPLAY_THREADS", 2)))
                 model, _ = racer.load_model(None)
                 self._verifier = TreeVerifier(model)
                 self._kv = {}

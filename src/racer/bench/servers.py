@@ -118,7 +118,7 @@ VLLM_METHODS = ("none", "ngram", "ngram3", "suffix", "racer")
 def vllm_speculative_config(method: str, tokens: int = 5, racer_tokens: int = 16) -> dict | None:
     """``--speculative-config`` of a vLLM server: ``ngram`` with vLLM's defaults (n-grams
     of 5), ``ngram3`` with ``prompt_lookup_max`` 3, ``suffix`` (Arctic Inference's suffix
-    decoding), ``racer`` (racer's proposer, ``racer.integrations.vllm``), or
+    decoding), ``racer`` (racer's proposer with its default method, ``racer.integrations.vllm``), or
     ``racer:OPTIONS`` (racer's proposer with that method spec, e.g. ``racer:memory=shared``)."""
     if method.startswith("racer:"):
         from racer.drafting import parse_method
@@ -154,8 +154,10 @@ def vllm_server(method: str, port: int, python: str, folder_of_model: str, name:
     if config is not None:
         command += ["--speculative-config", json.dumps(config)]
     env = dict(os.environ)
-    if method == "racer" or method.startswith("racer:"):
-        env["RACER_VLLM_METHOD"] = method  # the server's name says its method, whatever the caller's env
+    # The server's name says its method, whatever the caller's env: "racer" is the proposer's default.
+    env.pop("RACER_VLLM_METHOD", None)
+    if method.startswith("racer:"):
+        env["RACER_VLLM_METHOD"] = method
     env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # the runner with custom_class and suffix proposers
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: about 23k tokens of the embedded model's KV cache
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(threads or os.cpu_count() or 1) - 1}")

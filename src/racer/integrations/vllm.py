@@ -18,9 +18,11 @@ position (RACER's copy-logit table) comes from a wrapper around the
 target model's ``compute_logits``. vLLM itself is imported by nobody here: racer never
 depends on it.
 
-The method and its options come from ``RACER_VLLM_METHOD`` (default ``racer``), who
-shares drafter memory from ``RACER_VLLM_MEMORY_SCOPE`` (``server``, the default, or
-``request``: vLLM tells a proposer no user). vLLM
+The method and its options come from ``RACER_VLLM_METHOD`` (default ``DEFAULT_METHOD``:
+RACER with the scope's shared memory, since vLLM computes no prompt logits and a
+request's own copy-logit table starts empty), who shares drafter memory from
+``RACER_VLLM_MEMORY_SCOPE`` (``server``, the default, or ``request``: vLLM tells a
+proposer no user). vLLM
 verifies every token of a chain, so a chain ends where its next token is less likely to
 be reached than a verified position costs: the floor from ``racer.budget.chain``, fitted
 to the engine's own steps as they are timed here, or ``RACER_VLLM_MIN_PROB`` when set,
@@ -42,6 +44,7 @@ from racer.budget.chain import ChainBudget
 from racer.budget.selection import path_probabilities
 from racer.engine.memory import DraftSession, DrafterMemory
 
+DEFAULT_METHOD = "racer:memory=shared"  # the proposer's method where RACER_VLLM_METHOD is unset
 PREFIX = 32  # how many leading tokens identify a row's request
 CALIBRATION_WINDOW = 2000.0  # expected tokens past which the calibration's counts are halved
 WARMUP_FLOOR = 0.3  # the floor until enough of the engine's steps are timed to fit it
@@ -94,7 +97,7 @@ class _Row:
 class ChainDrafts:
     """Per batch row, a racer drafter and the chain it proposes next."""
 
-    def __init__(self, method: str = "racer", tokens: int = 5, idle: int = 32,
+    def __init__(self, method: str = DEFAULT_METHOD, tokens: int = 5, idle: int = 32,
                  end_ids: set[int] | None = None, tokenizer: Any = None, min_prob: float = 0.0,
                  scope: str | None = "server") -> None:
         if not 0.0 <= min_prob <= 1.0:
@@ -272,7 +275,7 @@ class RacerProposer:
         eos = getattr(config, "eos_token_id", None)
         end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         fixed = min_prob_from_env()
-        self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", "racer"), int(spec.num_speculative_tokens),
+        self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", DEFAULT_METHOD), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
                                   min_prob=fixed or 0.0, scope=scope_from_env())
         self.budget = ChainBudget(before=WARMUP_FLOOR) if fixed is None else None
