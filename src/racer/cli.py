@@ -166,7 +166,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "measure vLLM's OpenAI server on the same model folder, once per --vllm-methods")
     load.add_argument("--vllm-methods", default="none,ngram,ngram3,suffix,racer",
                       help="vLLM's speculation in each vLLM server: none, ngram (its defaults), ngram3 "
-                           "(prompt_lookup_max 3), suffix (needs arctic-inference), racer (racer's proposer, its default method), "
+                           "(prompt_lookup_max 3), suffix (needs arctic-inference), "
+                           "racer (racer's proposer, its default method), "
                            "racer:OPTIONS (its method spec, e.g. racer:memory=kept); "
                            "the first is the table's baseline (default: all five)")
     load.add_argument("--vllm-tokens", type=_positive, default=5,
