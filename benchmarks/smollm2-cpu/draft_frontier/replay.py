@@ -16,7 +16,7 @@ agreed with it, and a pass over the rejected tokens where it did not (cached in 
 answers file, so every floor reuses them). Figures are printed and appended to
 OUT.pkl's folder as ``replay.jsonl``.
 """
-import json, pickle, sys, time
+import json, os, pickle, sys, time
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +86,6 @@ class Rows:
 
             if self._verifier is None:
                 import racer
-                import os
                 torch.set_num_threads(int(os.environ.get("REPLAY_THREADS", 2)))
                 model, _ = racer.load_model(None)
                 self._verifier = TreeVerifier(model)

@@ -75,6 +75,11 @@ def _best_path(tree: DraftTree, path_p: Sequence[float], limit: int, min_prob: f
 SCOPES = {"server": "server", "request": None}  # vLLM tells a proposer nothing of a request's user
 
 
+def method_from_env() -> str:
+    """``RACER_VLLM_METHOD``: the proposer's method spec (``DEFAULT_METHOD`` when unset)."""
+    return os.environ.get("RACER_VLLM_METHOD", DEFAULT_METHOD)
+
+
 def scope_from_env() -> str | None:
     """``RACER_VLLM_MEMORY_SCOPE``: ``server`` (the default: every request shares the
     idle drafters and, with ``memory=shared``, one shared memory, as racer serve's
@@ -275,7 +280,7 @@ class RacerProposer:
         eos = getattr(config, "eos_token_id", None)
         end_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
         fixed = min_prob_from_env()
-        self.drafts = ChainDrafts(os.environ.get("RACER_VLLM_METHOD", DEFAULT_METHOD), int(spec.num_speculative_tokens),
+        self.drafts = ChainDrafts(method_from_env(), int(spec.num_speculative_tokens),
                                   idle=4 * int(vllm_config.scheduler_config.max_num_seqs), end_ids=end_ids,
                                   min_prob=fixed or 0.0, scope=scope_from_env())
         self.budget = ChainBudget(before=WARMUP_FLOOR) if fixed is None else None
