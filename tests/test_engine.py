@@ -173,12 +173,12 @@ def test_fast_paths_switch_off_one_by_one_and_all_at_once(tiny):
     from racer.fastpaths import FastPaths
 
     plain = Decoder(tiny, None, "racer:capacity=8", fast_paths=False, cost=None)
-    assert plain.verifier.tree_attention is None
+    assert plain.verifier.tree_attention is None and plain.verifier.stack is None
     plain.calibrate(announce=None)
     assert {plain.verifier.kernel_of(n) for n in range(1, 65)} == {"model"}
     reference = plain.generate([5, 6, 7, 5, 6], max_new_tokens=20).tokens
     assert type(plain.verifier.cache.layers[0]) is DynamicLayer
-    for switch in ("kernels", "tree_attention", "growing_cache"):
+    for switch in ("kernels", "tree_attention", "growing_cache", "packed_rows", "stack"):
         decoder = Decoder(tiny, None, "racer:capacity=8", fast_paths=FastPaths(**{switch: False}))
         assert decoder.generate([5, 6, 7, 5, 6], max_new_tokens=20).tokens == reference, switch
     with pytest.raises(ValueError, match="fast_paths"):
@@ -263,7 +263,7 @@ def test_cpu_only_fast_paths_are_off_on_other_devices():
 
     assert FastPaths().on("cpu") == FastPaths()
     assert FastPaths().on("cuda") == FastPaths(kernels=False, tree_attention=False, growing_cache=True,
-                                               packed_rows=False)
+                                               packed_rows=False, stack=False)
     assert FastPaths(growing_cache=False).on("cuda").growing_cache is False
 
 

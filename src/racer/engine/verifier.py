@@ -20,6 +20,7 @@ from racer.fastpaths import KERNELS, FastPaths
 from racer.fastpaths.attention import TreeAttention, tree_attention
 from racer.fastpaths.kernels import LinearKernels
 from racer.fastpaths.kvcache import growing_cache
+from racer.fastpaths.stack import DecoderStack, decoder_stack
 
 
 def _model_kernel(size: int) -> str:
@@ -52,6 +53,12 @@ class TreeVerifier:
         # heads (None where it does not apply: see ``racer.fastpaths.attention``).
         self.tree_attention: TreeAttention | None = (tree_attention(model, self.device.type)
                                                      if self.fast_paths.tree_attention else None)
+        # The decoder stack without transformers' per-call scaffolding, where the model
+        # has the Llama layout and a probe agrees to the bit (``racer.fastpaths.stack``).
+        self.stack: DecoderStack | None = None
+        if self.fast_paths.stack:
+            growing = self.fast_paths.growing_cache
+            self.stack = decoder_stack(model, self.facts, lambda: self.empty_cache(model, growing))
 
     def set_kernels(self, kernel_of: Callable[[int], str], used: Iterable[str]) -> None:
         """Compute a pass of n positions (a tree of n nodes, a prompt chunk of n tokens)
@@ -86,7 +93,7 @@ class TreeVerifier:
                                   "position_ids": positions, "attention_mask": mask}
         if self._keep_kw is not None and keep:
             kwargs[self._keep_kw] = keep
-        with torch.inference_mode():
+        with torch.inference_mode(), self.stack.installed() if self.stack is not None else nullcontext():
             out = self.model(input_ids=ids, **kwargs)
         logits = out.logits if batched else out.logits[0]
         return logits[..., -keep:, :] if keep else logits

@@ -1,6 +1,7 @@
 """Optional CPU fast paths of a tree pass: each switchable on its own, none changes an output.
 
-Tree attention and the growing cache give logits bit-identical to the model's own path;
+Tree attention, the growing cache and the lean stack give logits bit-identical to the
+model's own path;
 a linear kernel sums in another order, so it is offered only where it agrees with the
 model's own layers to the tolerance of tree verification; packed rows give a batched
 pass's linear layers another shape, which may change their sums' last bits as batching
@@ -26,12 +27,15 @@ class FastPaths:
     without repeating the cache's KV heads (``fastpaths.attention``); ``growing_cache``:
     KV appended in place instead of ``torch.cat`` (``fastpaths.kvcache``); ``packed_rows``:
     a batched pass lays its rows' trees one after another instead of padding each to the
-    largest (``fastpaths.attention.PackedRows``; it needs tree attention)."""
+    largest (``fastpaths.attention.PackedRows``; it needs tree attention); ``stack``: a
+    Llama-pattern decoder stack runs as its layers' tensor operations without
+    transformers' per-call scaffolding (``fastpaths.stack``)."""
 
     kernels: bool = True
     tree_attention: bool = True
     growing_cache: bool = True
     packed_rows: bool = True
+    stack: bool = True
 
     @staticmethod
     def of(value: "bool | FastPaths") -> "FastPaths":
@@ -39,17 +43,19 @@ class FastPaths:
         if isinstance(value, FastPaths):
             return value
         if isinstance(value, bool):
-            return FastPaths(value, value, value, value)
+            return FastPaths(value, value, value, value, value)
         raise ValueError(f"fast_paths: expected True, False or a FastPaths, got {value!r}")
 
     def on(self, device_type: str) -> "FastPaths":
         """The fast paths that apply on a ``device_type`` ("cpu", "cuda", ...): the
         linear kernels (oneDNN packing, weight-major products timed against the CPU's
         own) and tree attention (a CPU SDPA property), with the packed rows it serves,
-        are CPU-only; the growing cache applies everywhere."""
+        are CPU-only; so is the lean stack, whose probe has been run on CPUs only; the
+        growing cache applies everywhere."""
         if device_type == "cpu":
             return self
-        return FastPaths(kernels=False, tree_attention=False, growing_cache=self.growing_cache, packed_rows=False)
+        return FastPaths(kernels=False, tree_attention=False, growing_cache=self.growing_cache, packed_rows=False,
+                         stack=False)
 
     def key(self) -> dict[str, Any]:
         return asdict(self)
