@@ -5,7 +5,7 @@
 #   make test-fast  unit tests and tiny models only (no real-model test)
 #   make browser    Debian's Chromium and its driver, for the chat page's browser test
 #                   (CI runs it; without them that one test is skipped)
-#   make test-vllm  racer's proposer inside vLLM's CPU build, in a venv of its own
+#   make test-vllm  racer's proposer inside vLLM's CPU build, in a venv of its own (CI runs it too)
 #                   (.venv-vllm, made by make vllm-env: vLLM pins transformers < 5.20)
 #   make bench-vllm vLLM's server with each speculative method beside racer serve
 PYTHON ?= python3
