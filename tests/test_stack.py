@@ -95,3 +95,16 @@ def test_the_embedded_model_takes_the_stack_and_decodes_the_same_without_it(real
     assert stock.verifier.stack is None
     assert (lean.generate(prompt, chat=True, max_new_tokens=48).tokens
             == stock.generate(prompt, chat=True, max_new_tokens=48).tokens)
+
+
+def test_a_tensor_among_the_keywords_goes_to_the_models_own_forward(tiny, monkeypatch):
+    # Keywords are told apart by identity: a tensor (flash attention's sequence lengths,
+    # say) must not be compared by value, which torch refuses for more than one element.
+    stack = TreeVerifier(tiny).stack
+    handed = []
+    monkeypatch.setattr(stack, "stock", lambda **kwargs: handed.append(kwargs) or "stock")  # the model's is shared
+    lengths = torch.tensor([0, 3])
+    keyword = stack.cache_keyword
+    out = stack.forward(input_ids=torch.tensor([[5, 6, 7]]), position_ids=torch.arange(3)[None],
+                        cu_seq_lens_q=lengths, **{keyword: object()})
+    assert out == "stock" and handed[0]["cu_seq_lens_q"] is lengths

@@ -5,8 +5,8 @@ transformers wraps every layer's forward in decorators (keyword deprecation, out
 capture, config defaults, gradient checkpointing) and calls each norm, projection and
 rotary helper through ``nn.Module.__call__``. On a small model on a CPU those calls
 are a sizeable part of a pass that reads its weights once
-(``benchmarks/smollm2-cpu/lean_stack`` times both). ``DecoderStack`` takes the base model's ``forward`` for the span of a
-pass and runs the same operations on the same modules' weights: the embedding, the
+(``benchmarks/smollm2-cpu/lean_stack`` times both). ``DecoderStack`` takes the base
+model's ``forward`` for the span of a pass and runs the same operations on the same modules' weights: the embedding, the
 family's own mask function and rotary module, per layer the family's own norm and
 activation, the projections (whatever linear kernel is installed in them), RoPE,
 the cache's ``update`` and the attention implementation the config names.
@@ -80,8 +80,10 @@ class DecoderStack:
                 position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                 use_cache: bool | None = None, **kwargs: Any) -> Any:
         cache = kwargs.pop(self.cache_keyword, None)
-        if (self.base.training or input_ids is None or inputs_embeds is not None or position_ids is None or cache is None
-                or any(value not in (None, False) for value in kwargs.values()) or _hooked(self.modules)):
+        # Anything else asked of the forward (a tensor too: compared by identity, never by value).
+        asked = any(value is not None and value is not False for value in kwargs.values())
+        if (self.base.training or input_ids is None or inputs_embeds is not None or position_ids is None
+                or cache is None or asked or _hooked(self.modules)):
             return self.stock(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               inputs_embeds=inputs_embeds, use_cache=use_cache, **{self.cache_keyword: cache},
                               **kwargs)
@@ -152,7 +154,9 @@ def _pattern(model: Any) -> tuple[Any, Any] | None:
             return None
         if _children(attn) != _ATTENTION or _own_state(attn) or _own_state(mlp):
             return None
-        if _children(mlp) != _MLP | {"act_fn"} or not all(hasattr(attn, a) for a in ("head_dim", "scaling", "layer_idx")):
+        if _children(mlp) != _MLP | {"act_fn"}:
+            return None
+        if not all(hasattr(attn, name) for name in ("head_dim", "scaling", "layer_idx")):
             return None
         if not all(type(getattr(module, name)) is torch.nn.Linear
                    for module, names in ((attn, _ATTENTION), (mlp, _MLP)) for name in names):
