@@ -6,10 +6,11 @@ capture, config defaults, gradient checkpointing) and calls each norm, projectio
 rotary helper through ``nn.Module.__call__``. On a small model on a CPU those calls
 are a sizeable part of a pass that reads its weights once
 (``benchmarks/smollm2-cpu/lean_stack`` times both). ``DecoderStack`` takes the base
-model's ``forward`` for the span of a pass and runs the same operations on the same modules' weights: the embedding, the
-family's own mask function and rotary module, per layer the family's own norm and
-activation, the projections (whatever linear kernel is installed in them), RoPE,
-the cache's ``update`` and the attention implementation the config names.
+model's ``forward`` for the span of a pass and runs the same operations on the same
+modules' weights: the embedding, the family's own mask function and rotary module, per
+layer the family's own norm and activation, the projections (whatever linear kernel is
+installed in them), RoPE with the family's ``rotate_half``, the cache's ``update`` and
+the attention implementation the config names.
 
 It is offered only to the families whose modeling code computes exactly this
 (``FAMILIES``: others of the same layout add a residual multiplier, clip q/k/v, skip
@@ -56,20 +57,16 @@ def _hooked(modules: list[Any]) -> bool:
     return any(globals_) or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class DecoderStack:
     """The lean forward of one model's base (``model.model``), installed in it by
     ``installed()`` for one pass."""
 
-    def __init__(self, model: Any, base: Any, family: Any, cache_keyword: str) -> None:
+    def __init__(self, base: Any, family: Any, cache_keyword: str) -> None:
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        self.model, self.base = model, base
+        self.base = base
         self.mask_fn, self.eager = family.create_causal_mask, family.eager_attention_forward
+        self.rotate_half = family.rotate_half
         self.cache_keyword = cache_keyword
         self.output = BaseModelOutputWithPast
         self.attention_functions = family.ALL_ATTENTION_FUNCTIONS
@@ -95,16 +92,18 @@ class DecoderStack:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         shape = hidden.shape[:-1]
         passed = {"position_ids": position_ids, "use_cache": use_cache}
+        # Every layer's attention reads the base's config (``_pattern``), switched per pass.
+        attend = self.attention_functions.get_interface(base.config._attn_implementation, self.eager)
+        rotate_half = self.rotate_half
         for layer in base.layers[: base.config.num_hidden_layers]:
             attn = layer.self_attn
-            attend = self.attention_functions.get_interface(attn.config._attn_implementation, self.eager)
             x = layer.input_layernorm.forward(hidden)
             heads = (*shape, -1, attn.head_dim)
             query = attn.q_proj.forward(x).view(heads).transpose(1, 2)
             key = attn.k_proj.forward(x).view(heads).transpose(1, 2)
             value = attn.v_proj.forward(x).view(heads).transpose(1, 2)
-            query = (query * cos) + (_rotate_half(query) * sin)
-            key = (key * cos) + (_rotate_half(key) * sin)
+            query = (query * cos) + (rotate_half(query) * sin)
+            key = (key * cos) + (rotate_half(key) * sin)
             # The keywords a layer hands on to the cache and the attention function.
             key, value = cache.update(key, value, attn.layer_idx, kwargs=passed)
             out, _ = attend(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **passed)
@@ -140,7 +139,7 @@ def _pattern(model: Any) -> tuple[Any, Any] | None:
         return None
     family = sys.modules.get(type(base).__module__)
     if not all(hasattr(family, name) for name in ("create_causal_mask", "eager_attention_forward",
-                                                   "ALL_ATTENTION_FUNCTIONS")):
+                                                   "ALL_ATTENTION_FUNCTIONS", "rotate_half")):
         return None
     if getattr(config, "sliding_window", None) is not None:
         return None
@@ -156,7 +155,7 @@ def _pattern(model: Any) -> tuple[Any, Any] | None:
             return None
         if _children(mlp) != _MLP | {"act_fn"}:
             return None
-        if not all(hasattr(attn, name) for name in ("head_dim", "scaling", "layer_idx")):
+        if not all(hasattr(attn, name) for name in ("head_dim", "scaling", "layer_idx")) or attn.config is not config:
             return None
         if not all(type(getattr(module, name)) is torch.nn.Linear
                    for module, names in ((attn, _ATTENTION), (mlp, _MLP)) for name in names):
@@ -201,7 +200,7 @@ def decoder_stack(model: Any, facts: Any, new_cache: Callable[[], Any]) -> Decod
     stack = None
     found = _pattern(model)
     if found is not None:
-        candidate = DecoderStack(model, *found, facts.cache_keyword)
+        candidate = DecoderStack(*found, facts.cache_keyword)
         try:
             expected = _probe_logits(model, new_cache(), facts)
             with candidate.installed():
