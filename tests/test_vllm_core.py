@@ -4,6 +4,7 @@ preempted, refilled and finished, with nothing but each row's context to go on."
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -216,6 +217,8 @@ def test_the_proposer_reports_its_budget_and_acceptance_every_n_steps(monkeypatc
         chains = proposer.propose(sampled, np.array([len(request.context)]), ids)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("racer proposer")]
     assert len(lines) == 2 and "after 4 steps" in lines[1] and f"accepted {proposer.drafts.accepted}," in lines[1]
+    share = re.search(r"proposing took ([0-9.]+) ms a step, ([0-9.]+)% of the steps' time", lines[1])
+    assert share and float(share.group(1)) > 0 and 0 < float(share.group(2)) <= 100
     monkeypatch.setenv("RACER_VLLM_STATS", "often")
     with pytest.raises(ValueError, match="RACER_VLLM_STATS"):
         stats_every_from_env()

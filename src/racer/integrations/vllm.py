@@ -289,6 +289,9 @@ class RacerProposer:
         self._last: tuple[float, list[list[int]]] | None = None  # when the last step was proposed, and what
         self._report_every = stats_every_from_env()
         self._steps = 0
+        # Seconds spent here (the proposer's own work, which the engine's step waits
+        # for) since the report window began (None: at the next call).
+        self._spent, self._window = 0.0, None
 
     def load_model(self, target_model: Any) -> None:
         """Wrap the target's ``compute_logits``: each call's top-k ids (one row per
@@ -322,6 +325,9 @@ class RacerProposer:
         chains = self.drafts.propose(sampled_token_ids, contexts, rows, floor)
         if self.budget is not None and (self.drafts.started, self.drafts.rebuilt, self.drafts.moved) == before:
             self._time_step(now, sampled_token_ids)
+        if self._window is None:
+            self._window = now
+        self._spent += time.perf_counter() - now
         self._last = (now, chains)
         self._steps += 1
         if self._report_every and self._steps % self._report_every == 0:
@@ -335,8 +341,11 @@ class RacerProposer:
         cost = f"{fit[0] * 1e3:.2f} ms per draft token at {fit[1]:.1f} tokens/s" if fit else "no fit"
         print(f"racer proposer after {self._steps} steps: floor {floor if floor is not None else drafts.min_prob:.3f} "
               f"({cost}), calibration {drafts.calibration():.2f}; {drafts.empty} of {drafts.proposals} chains "
-              f"empty; drafted {drafts.drafted}, accepted {drafts.accepted}, expected {drafts.expected:.1f}",
+              f"empty; drafted {drafts.drafted}, accepted {drafts.accepted}, expected {drafts.expected:.1f}; "
+              f"proposing took {self._spent * 1e3 / self._report_every:.2f} ms a step, "
+              f"{self._spent / max(time.perf_counter() - self._window, 1e-9):.1%} of the steps' time",
               file=sys.stderr, flush=True)
+        self._spent, self._window = 0.0, None
 
     def _time_step(self, now: float, sampled: list[list[int]]) -> None:
         """Time the pass since the last ``propose``, which verified its chains, if it
