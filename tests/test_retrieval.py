@@ -67,6 +67,10 @@ def check_links(tree: NgramAutomaton, trie: dict) -> None:
         want = next((s[i:] for i in range(1, len(s)) if s[i:] in trie), ())
         assert tree.fail[node] in live | {ROOT}, "failure link to a recycled node"
         assert tree.string(tree.fail[node]) == want
+    # The reverse links are exactly the links: a stale entry would misdirect a later
+    # insertion's or eviction's updates.
+    reverse = {(link, node) for link in live | {ROOT} for node in tree.fail_in[link]}
+    assert reverse == {(tree.fail[node], node) for node in live}
     assert tree.state in live | {ROOT}, "matching state on a recycled node"
 
 
