@@ -56,10 +56,9 @@ def request(serial: int) -> tuple[list[int], list[int]]:
     ids = texts[serial % len(texts)]
     cut = min(PROMPT, max(16, len(ids) - ANSWER))
     prompt, answer = ids[:cut], ids[cut : cut + ANSWER]
-    if novel or len(answer) < ANSWER:
-        answer = answer + [rng.randrange(vocab) for _ in range(ANSWER - len(answer))]
-        if novel:
-            answer = [rng.randrange(vocab) for _ in range(ANSWER)]
+    answer += [rng.randrange(vocab) for _ in range(ANSWER - len(answer))]  # a short text's answer, padded
+    if novel:
+        answer = [rng.randrange(vocab) for _ in range(ANSWER)]
     return prompt, answer
 
 
@@ -88,23 +87,24 @@ def shared_stats(memory: DrafterMemory) -> dict:
 
 def idle_stats(memory: DrafterMemory) -> dict:
     nodes = rows = 0
-    for _, (drafter, _) in memory.pool._idle.values():
-        nodes += getattr(getattr(drafter, "automaton", None), "live", 0)
-        rows += len(getattr(drafter, "table", ()) or ())
+    for _, (drafter, _) in memory.pool._idle.values():  # RACER drafters
+        nodes += drafter.automaton.live
+        rows += len(drafter.table)
     return {"idle_drafters": len(memory), "idle_nodes": nodes, "idle_table_rows": rows,
             "rate_models": len(memory.rates)}
 
 
 def report(done: int, started_mib: float, seconds: float, row_steps: int, memory: DrafterMemory, extra: dict) -> None:
     gc.collect()
-    line = {"variant": variant, "novel": novel, "requests": done, "resident_mib_more": round(resident_mib() - started_mib, 1),
+    line = {"variant": variant, "novel": novel, "requests": done,
+            "resident_mib_more": round(resident_mib() - started_mib, 1),
             "us_per_row_step": round(seconds / max(row_steps, 1) * 1e6, 1), **shared_stats(memory),
             **idle_stats(memory), **extra}
     print(json.dumps(line), flush=True)
 
 
-def run_vllm(scope: str | None, method: str = "racer:memory=shared") -> None:
-    drafts = ChainDrafts(method, tokens=16, idle=4 * ROWS, tokenizer=tokenizer, end_ids=set(), scope=scope)
+def run_vllm(scope: str | None) -> None:
+    drafts = ChainDrafts("racer:memory=shared", tokens=16, idle=4 * ROWS, tokenizer=tokenizer, end_ids=set(), scope=scope)
     started_mib = resident_mib()
     live: list[list] = [None] * ROWS  # per row: [context, answer, at, chain]
     begun = done = row_steps = 0
@@ -133,7 +133,7 @@ def run_vllm(scope: str | None, method: str = "racer:memory=shared") -> None:
                 accepted = 0
                 while accepted < len(chain) and accepted < len(truth) and chain[accepted] == truth[accepted]:
                     accepted += 1
-                new = truth[: accepted + 1] or [rng.randrange(vocab)]
+                new = truth[: accepted + 1]
                 state[0] = context + new
                 state[2] = at + len(new)
                 sampled.append(new)
