@@ -1,4 +1,4 @@
-"""Finished requests' KV kept for later prompts that begin with the same tokens
+"""Prompts' and finished requests' KV kept for later prompts that begin with the same tokens
 (``racer.engine.prefixes``): the store's rules on toys, and on the real model an agent
 session's calls decoded from kept prefixes exactly as with every prompt prefilled."""
 
@@ -98,3 +98,30 @@ def test_an_agent_sessions_calls_from_kept_prefixes_decode_as_with_full_prefills
         assert decoder.result(request).prompt_reused == 0
     with pytest.raises(ValueError, match="prefix_cache_mib"):
         BatchDecoder(model, tokenizer, "none", max_batch=2, check=False, prefix_cache_mib=-1)
+
+
+def test_a_prompt_is_kept_once_prefilled_for_requests_that_arrive_while_it_decodes(real):
+    """Two agent sessions' first calls sent together share their system prompt: the
+    second starts from the first's prompt, kept when its prefill was done (the first is
+    still decoding), and both answers are plain greedy decoding's."""
+    from racer import BatchDecoder, encode_prompt
+    from racer.bench.questions import load_questions
+    from racer.engine.prefixes import common_prefix
+
+    model, tokenizer = real
+    firsts = {}
+    for call in load_questions("agent_sessions"):
+        firsts.setdefault(call.session, call.chat)
+        if len(firsts) == 2:
+            break
+    prompts = [encode_prompt(tokenizer, chat, chat=True) for chat in firsts.values()]
+    shared = common_prefix(np.asarray(prompts[0]), np.asarray(prompts[1]))
+    assert shared >= 64  # one system prompt
+    decoder = BatchDecoder(model, tokenizer, "racer", max_batch=2, check=False, prefix_cache_mib=64)
+    requests = [decoder.submit(chat, max_new_tokens=16, scope="server") for chat in firsts.values()]
+    while decoder.busy:
+        decoder.step()
+    results = [decoder.result(r) for r in requests]
+    assert [r.prompt_reused for r in results] == [0, shared]
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == hf_greedy(model, prompt, 16)

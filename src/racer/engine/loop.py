@@ -425,6 +425,9 @@ class BatchDecoder:
         root = request.chooser.first(request.last_logits, request.ids)
         request.row = self.rows.admit(request.prompt)
         request.prompt = None
+        # Kept now, not only when it finishes: requests of its scope that arrive while it
+        # decodes (concurrent sessions, one system prompt) start from its prompt's KV.
+        self.rows.keep(request.row, request.scope, request.ids)
         self._active.append(request)
         cut = request.stopper.cut(request.result.tokens, [root])
         request.result.extend(cut.tokens, ["none"], 0)

@@ -1,10 +1,14 @@
-"""The KV of finished requests, kept for later requests that begin with the same tokens.
+"""The KV of prompts and finished requests, kept for later requests that begin with the
+same tokens.
 
 An agent or a chat client resends its whole conversation on every call, so each call's
-prompt begins with the previous call's prompt (and often its answer). A finished
-request's cached positions are copied out of its row before the row is freed; a new
-request of the same memory scope whose prompt shares at least ``minimum`` leading tokens
-with one of them starts its prefill from a copy of that KV and computes only the rest.
+prompt begins with the previous call's prompt (and often its answer), and concurrent
+clients' prompts often begin with one system prompt. A request's prompt positions are
+copied out of its row once prefilled, and its cached positions (prompt and answer)
+before the row is freed, which replaces the prompt's (an entry that another extends
+goes); a new request of the same memory scope whose prompt shares at least ``minimum``
+leading tokens with one of them starts its prefill from a copy of that KV and computes
+only the rest.
 Positions hold the same keys and values whichever pass computed them, so the answer is
 the one a full prefill gives.
 
@@ -43,7 +47,7 @@ class Prefix:
 
 
 class PrefixStore:
-    """Finished requests' KV by scope, at most ``capacity`` bytes in all."""
+    """Prompts' and finished requests' KV by scope, at most ``capacity`` bytes in all."""
 
     def __init__(self, capacity: int, minimum: int = 64) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:

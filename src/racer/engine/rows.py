@@ -87,8 +87,9 @@ class Rows(Protocol):
         """The prefilled request decodes from now on; returns its row."""
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
-        """Before ``row`` is released: keep its KV for later prompts that begin with
-        ``tokens`` (its context), where the rows keep prefixes."""
+        """Keep ``row``'s KV for later prompts that begin with ``tokens`` (its prompt,
+        once prefilled; its context, before the row is released), where the rows keep
+        prefixes."""
 
     def release(self, row: int) -> int | None:
         """Free ``row``; returns the row that moved into it, if one did."""
