@@ -425,9 +425,6 @@ class BatchDecoder:
         root = request.chooser.first(request.last_logits, request.ids)
         request.row = self.rows.admit(request.prompt)
         request.prompt = None
-        # Kept now, not only when it finishes: requests of its scope that arrive while it
-        # decodes (concurrent sessions, one system prompt) start from its prompt's KV.
-        self.rows.keep(request.row, request.scope, request.ids)
         self._active.append(request)
         cut = request.stopper.cut(request.result.tokens, [root])
         request.result.extend(cut.tokens, ["none"], 0)
@@ -442,9 +439,13 @@ class BatchDecoder:
         return request
 
     def _begin_drafting(self, request: _Request) -> None:
-        """The request's drafter learns its prompt (and the model's predictions over it,
-        for a drafter that reads them)."""
+        """Once the request's first token is out (to ``step``'s ``early``, where given):
+        its prompt's KV is kept, and its drafter learns its prompt (and the model's
+        predictions over it, for a drafter that reads them)."""
         start = time.perf_counter()
+        # Kept now, not only when it finishes: requests of its scope that arrive while it
+        # decodes (concurrent sessions, one system prompt) start from its prompt's KV.
+        self.rows.keep(request.row, request.scope, request.ids)
         prompt_topk = None
         if self.needs.topk:
             rows = torch.cat(request.logits)
