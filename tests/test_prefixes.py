@@ -41,6 +41,14 @@ def test_the_longest_kept_prefix_of_the_scope_is_given_never_the_whole_prompt():
     assert store.reused == 6 + 5
 
 
+def test_the_store_says_whether_a_kept_prefix_of_the_scope_already_holds_the_tokens():
+    store = PrefixStore(1 << 20, minimum=3)
+    store.put("a", prefix([1, 2, 3, 4, 5]))
+    assert store.holds("a", [1, 2, 3, 4]) and store.holds("a", [1, 2, 3, 4, 5])
+    assert not store.holds("a", [1, 2, 3, 4, 5, 6]) and not store.holds("a", [1, 2, 9])
+    assert not store.holds("b", [1, 2, 3])  # another scope's
+
+
 def test_the_store_is_bounded_in_bytes_least_recently_used_out_first():
     one = prefix([1] * 10).nbytes
     store = PrefixStore(3 * one, minimum=2)

@@ -67,6 +67,13 @@ class PrefixStore:
         """Whether a request of ``scope`` that cached ``length`` tokens is worth keeping."""
         return scope is not None and self.capacity > 0 and length >= self.minimum
 
+    def holds(self, scope: Hashable, tokens: Sequence[int]) -> bool:
+        """Whether a kept prefix of ``scope`` already begins with all of ``tokens``
+        (keeping them again would copy KV that adds nothing)."""
+        wanted = np.asarray(tokens, dtype=np.int64)
+        return any(other_scope == scope and common_prefix(other.tokens, wanted) == len(wanted)
+                   for other_scope, other in self._entries.values())
+
     def put(self, scope: Hashable, prefix: Prefix) -> None:
         """Keep ``prefix``; one it extends (or repeats) goes, then the least recently
         used until the store fits."""

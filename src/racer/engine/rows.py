@@ -216,7 +216,7 @@ class SlotRows:
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
         length = min(self.lengths[row], len(tokens))
-        if self.prefixes.wants(scope, length):
+        if self.prefixes.wants(scope, length) and not self.prefixes.holds(scope, tokens[:length]):
             self.prefixes.put(scope, Prefix(np.asarray(tokens[:length], dtype=np.int64), self.slots.row_kv(row, length)))
 
     def release(self, row: int) -> int | None:
