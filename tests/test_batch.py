@@ -176,3 +176,29 @@ def test_a_step_that_holds_one_request_is_chosen_per_node(tiny_model, monkeypatc
     assert ("batch", 2) in chosen and all(n == 1 for name, n in chosen if name == "lone")
     assert BatchDecoder(tiny_model, None, "racer:capacity=8", max_batch=2, cost=shared_cost(),
                         check=False).lone_budget is None  # a fixed capacity verifies every node
+
+
+def test_requests_that_wait_together_prefill_in_one_pass_and_decode_as_alone(real):
+    """Three requests that arrive while another decodes: their prompts' last chunks
+    share one pass within the step's bound, so each one's first token leaves in the same
+    step, and every answer is the answer alone."""
+    model, tokenizer = real
+    questions = lossless_questions()[1::5][:4]
+    prompts = [encode_prompt(tokenizer, q.chat, chat=True) for q in questions]
+    assert sum(len(p) for p in prompts[1:]) <= 512  # the engine's default bound a step
+    decoder = Decoder(model, tokenizer, "racer")
+    decoder.calibrate()
+    batch = BatchDecoder(model, tokenizer, "racer", max_batch=4, cost=decoder.cost)
+    tokens = 48
+    ids = [batch.submit(prompts[0], max_new_tokens=tokens)]
+    batch.step()
+    assert batch.active == 1
+    ids += [batch.submit(p, max_new_tokens=tokens) for p in prompts[1:]]
+    passes = []
+    real_prefill = batch.rows.prefill
+    batch.rows.prefill = lambda chunks: passes.append(len(chunks)) or real_prefill(chunks)
+    started = {u.request for u in batch.step() if u.step == 0 and u.tokens}
+    assert started == set(ids[1:]) and passes == [3] and batch.active == 4
+    while batch.busy:
+        batch.step()
+    assert [batch.result(i).tokens for i in ids] == [hf_greedy(model, p, tokens) for p in prompts]

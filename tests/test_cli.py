@@ -119,6 +119,7 @@ def _cli(*argv: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProc
 @pytest.mark.parametrize("argv, pattern", [
     (["serve", "--port", "99999"], "--port: expected a port number from 1 to 65535, got 99999"),
     (["serve", "--port", "http"], "--port: expected a port number"),
+    (["serve", "--prefill-chunk", "0"], "--prefill-chunk: expected a positive integer, got 0"),
     (["generate", "hi", "--device", "cuda:7" if os.environ.get("RACER_TEST_DEVICE") == "cuda" else "cuda"],
      "device: 'cuda"),
     (["generate", "hi", "--model", "/nonexistent/model"], "there is no folder /nonexistent/model"),

@@ -189,7 +189,8 @@ def test_models_without_grouped_attention_pad():
 
 def test_a_batch_decodes_the_same_packed_and_padded():
     """Packed, a joining request's chunks ride in the decoding rows' passes, but its
-    prompt's last one, which takes a pass of its own so that it joins that step's pass."""
+    prompt's last one, which takes a pass of its own so that it joins that step's pass;
+    several waiting requests' chunks share a step's pass where they fit its bound."""
     from test_batch import tiny_prompts
 
     model = make_tiny_llama()
@@ -202,10 +203,13 @@ def test_a_batch_decodes_the_same_packed_and_padded():
 
         def spy(name, real):
             def call(*args, **kwargs):
-                chunk = args[0] if name == "prefill" else args[2] if len(args) > 2 else kwargs.get("chunk")
-                last = chunk is not None and chunk.prompt.cached + len(chunk.tokens) >= len(batch._waiting[0].ids)
-                if name == "prefill" or args[0]:  # a lone chunk's pass goes through forward([], ...) too
-                    passes.append((name, batch.active, chunk is not None, last))
+                chunk = args[2] if len(args) > 2 else kwargs.get("chunk")
+                chunks = args[0] if name == "prefill" else [chunk] if chunk is not None else []
+                owners = [next(r for r in batch._waiting if r.prompt is c.prompt) for c in chunks]
+                lasts = [c.prompt.cached + len(c.tokens) >= len(r.ids) for c, r in zip(chunks, owners)]
+                assert sum(len(c.tokens) for c in chunks) <= 7  # the step's bound, in all
+                if name == "prefill" or args[0]:  # chunks' own pass goes through forward([], ...) too
+                    passes.append((name, batch.active, lasts))
                 return real(*args, **kwargs)
             return call
 
@@ -213,14 +217,17 @@ def test_a_batch_decodes_the_same_packed_and_padded():
             setattr(batch.rows, name, spy(name, getattr(batch.rows, name)))
         answers[packed] = [r.tokens for r in batch.generate_all(prompts, max_new_tokens=24)]
         assert batch.rows.packs is packed
-        riding = [last for name, _, chunk, last in passes if name == "forward" and chunk]
-        apart = [(active, last) for name, active, _, last in passes if name == "prefill"]
+        riding = [last for name, _, lasts in passes if name == "forward" for last in lasts]
+        apart = [(active, last) for name, active, lasts in passes if name == "prefill" for last in lasts]
+        shared = [len(lasts) for name, _, lasts in passes if name == "prefill"]
         if packed:
             assert riding and not any(riding)  # no prompt's last chunk rides
             assert all(last or active == 0 for active, last in apart)
             assert any(active > 0 for active, _ in apart)
+            assert max(shared) > 1
         else:
             assert not riding and any(active > 0 and not last for active, last in apart)
+            assert max(shared) == 1
     assert answers[True] == answers[False] == [hf_greedy(model, p, 24) for p in prompts]
 
 

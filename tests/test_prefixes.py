@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import hf_greedy, make_tiny_llama
+from families import shared_cost
 
+from racer.engine.loop import BatchDecoder
 from racer.engine.prefixes import Prefix, PrefixStore, common_prefix
 
 
@@ -47,6 +49,35 @@ def test_the_store_says_whether_a_kept_prefix_of_the_scope_already_holds_the_tok
     assert store.holds("a", [1, 2, 3, 4]) and store.holds("a", [1, 2, 3, 4, 5])
     assert not store.holds("a", [1, 2, 3, 4, 5, 6]) and not store.holds("a", [1, 2, 9])
     assert not store.holds("b", [1, 2, 3])  # another scope's
+
+
+def test_the_store_says_what_it_would_give_without_using_it():
+    store = PrefixStore(1 << 20, minimum=3)
+    store.put("a", prefix([1, 2, 3, 4, 5]))
+    store.put("a", prefix([7, 7, 7, 7]))
+    assert store.reusable("a", [1, 2, 3, 4, 9]) == 4 and store.reusable("a", [1, 2, 9]) == 0
+    assert store.reusable("b", [1, 2, 3, 4, 9]) == 0 and store.reusable(None, [1, 2, 3, 4, 9]) == 0
+    assert store.reused == 0 and [list(p.tokens) for _, p in store._entries.values()][0] == [1, 2, 3, 4, 5]
+
+
+def test_a_prompt_waits_for_one_prefilled_in_its_step_that_it_shares_more_with_than_with_any_kept():
+    """Two prompts of one scope that share 80 leading tokens arrive together: the second
+    waits one step, for the first's prompt to be kept, and computes only the rest; a
+    prompt behind it waits in turn (in order), then joins in the same step as it."""
+    model = make_tiny_llama()
+    rng = np.random.default_rng(5)
+    shared = [int(t) for t in rng.integers(3, 97, size=80)]
+    prompts = [shared + [5, 6, 7], shared + [8, 9], [int(t) for t in rng.integers(3, 97, size=30)]]
+    batch = BatchDecoder(model, None, "none", max_batch=4, prefix_cache_mib=16, cost=shared_cost(), check=False)
+    ids = [batch.submit(prompts[0], scope="s", max_new_tokens=8), batch.submit(prompts[1], scope="s", max_new_tokens=8),
+           batch.submit(prompts[2], max_new_tokens=8)]
+    assert {u.request for u in batch.step() if u.step == 0} == {ids[0]}
+    assert {u.request for u in batch.step() if u.step == 0} == {ids[1], ids[2]}
+    while batch.busy:
+        batch.step()
+    results = [batch.result(i) for i in ids]
+    assert [r.prompt_reused for r in results] == [0, 80, 0]
+    assert [r.tokens for r in results] == [hf_greedy(model, p, 8) for p in prompts]
 
 
 def test_the_store_is_bounded_in_bytes_least_recently_used_out_first():

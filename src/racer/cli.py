@@ -139,6 +139,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-scope", choices=("request", "server", "user"), default="server",
                        help="whose requests share drafter memory: none, all (default), or those with the same "
                             "'user' field (see docs/serving.md)")
+    serve.add_argument("--prefill-chunk", type=_positive, default=2048,
+                       help="prompt tokens prefilled a step, of one or more waiting requests: the most a step "
+                            "delays the requests decoding (default: 2048)")
     serve.add_argument("--prefix-cache-mib", type=int, default=512,
                        help="MiB of finished requests' KV kept for later prompts of the same memory scope that "
                             "begin with the same tokens, as an agent's next call does (0: none; default: 512)")
@@ -452,7 +455,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(args.model, method=args.method, dtype=args.dtype, device=args.device, host=args.host, port=args.port,
           max_batch=args.max_batch, max_queue=args.max_queue, api_key=args.api_key,
           default_max_tokens=args.default_max_tokens, grace=args.grace, memory_scope=args.memory_scope,
-          max_body=args.max_body, threads=threads, prefix_cache_mib=args.prefix_cache_mib)
+          max_body=args.max_body, threads=threads, prefix_cache_mib=args.prefix_cache_mib,
+          prefill_chunk=args.prefill_chunk)
     return 0
 
 

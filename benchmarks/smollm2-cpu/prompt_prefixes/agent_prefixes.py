@@ -3,10 +3,11 @@ session's calls in order): tokens/s, time to first token (p50, p90, max and ever
 session's first call), and from the server's ``/metrics`` the prompt tokens, those a
 kept prefix gave and the engine's seconds by part.
 
-    .venv/bin/python benchmarks/smollm2-cpu/prompt_prefixes/agent_prefixes.py METHOD C
+    .venv/bin/python benchmarks/smollm2-cpu/prompt_prefixes/agent_prefixes.py METHOD C [SERVE_ARG ...]
 
-Run from two checkouts alternately (``PYTHONPATH=OTHER/src`` for the other one) for a
-before/after; the server is started fresh for each run.
+Run from two checkouts alternately (``PYTHONPATH=OTHER/src`` for the other one), or with
+two sets of ``racer serve`` arguments, for a before/after; the server is started fresh
+for each run.
 """
 
 import re
@@ -20,7 +21,7 @@ from racer.bench.servers import free_port, racer_server
 
 method, concurrency = sys.argv[1], int(sys.argv[2])
 port = free_port()
-server = racer_server(method, port, None, "float32", 2, 8, Path(tempfile.mkdtemp()))
+server = racer_server(method, port, None, "float32", 2, 8, Path(tempfile.mkdtemp()), sys.argv[3:])
 server.wait_ready(300)
 try:
     sessions = prompt_pool("agent")[:concurrency]

@@ -2,12 +2,15 @@
 every decoding request's draft tree in one pass. A single request is a batch of one
 (``racer.Decoder`` is a front over this engine with one row).
 
-A joining request is prefilled in chunks of at most ``prefill_chunk`` tokens, one
-chunk per step, so a long prompt delays the requests already decoding by one bounded
-chunk a step. Where the rows pack (``racer.engine.rows``), the request holds its row
-from its first chunk, and every chunk but its prompt's last rides in the step's one
-pass beside the decoding rows' trees (``_rides``); elsewhere a chunk is a pass of its
-own and the request takes a row when its prefill is done. Each step: the budget says
+Joining requests are prefilled in chunks, at most ``prefill_chunk`` prompt tokens a
+step in all, so long prompts delay the requests already decoding by a bounded amount a
+step. Where the rows pack (``racer.engine.rows``), a step takes chunks of as many
+waiting requests, in order, as that bound and the free rows allow, and each request
+holds its row from its first chunk: a chunk that is not its prompt's last rides in the
+step's one pass beside the decoding rows' trees (``_rides``), and the prompts' last
+chunks share a pass of their own first, so that their first tokens leave at once;
+elsewhere the first waiting request's chunk is a pass of its own and the request takes
+a row when its prefill is done. Each step: the budget says
 whether to draft and how many candidates to ask for; each request's drafter proposes a
 tree; the budget keeps the part of each worth verifying; one pass verifies them all;
 each row accepts its path (greedy, or exact sampling), keeps its KV, and its drafter
@@ -320,9 +323,10 @@ class BatchDecoder:
 
     # -- one step -------------------------------------------------------------------
     def step(self, early: Callable[[list[Update]], None] | None = None) -> list[Update]:
-        """One prefill chunk for the first waiting request (if a row is free) and one
-        pass over the decoding ones: the same pass where the rows pack and some request
-        decodes, else the chunk's pass first. Returns what each request emitted.
+        """Prefill chunks of waiting requests (``_next_chunks``) and one pass over the
+        decoding ones: a chunk rides in that pass where the rows pack, some request
+        decodes and it is not its prompt's last, else the chunks' pass comes first.
+        Returns what each request emitted.
         ``early``: told what the step emitted so far before work the tokens need not wait
         for (the decoding requests' pass after a chunk's own pass; a joining request's
         drafter learning its prompt after the shared one); those updates are then left
@@ -335,34 +339,34 @@ class BatchDecoder:
                 self._waiting.remove(request)
             self._finish(request, "cancelled")
             updates.append(Update(request.id, [], True))
-        riding = None
-        if self._waiting and len(self._active) < self.max_batch:
-            request = self._waiting[0]
-            chunk = self._next_chunk(request)
-            if self._rides(chunk):
-                riding = chunk
-            else:
-                start = time.perf_counter()
-                with self._capture(request) as hidden:
-                    self.rows.prefill(chunk)
-                joined = self._chunk_done(request, chunk, hidden, updates, time.perf_counter() - start)
-                updates = self._join(joined, updates, early, always=True)
+        chunks = self._next_chunks()
+        riding = chunks.pop() if chunks and self._rides(*chunks[-1]) else None
+        if chunks:
+            start = time.perf_counter()
+            with self._capture([request for request, _ in chunks]) as hidden:
+                self.rows.prefill([chunk for _, chunk in chunks])
+            seconds = time.perf_counter() - start
+            tokens = sum(len(chunk.tokens) for _, chunk in chunks)
+            joined = [self._chunk_done(request, chunk, hidden, updates, seconds * len(chunk.tokens) / tokens)
+                      for request, chunk in chunks]
+            updates = self._join([request for request in joined if request is not None], updates, early,
+                                 always=True)
         if self._active:
             updates = self._join(self._verify(updates, riding), updates, early)
         if self._unsaved and not self.busy:
             self._save_cost()
         return updates
 
-    def _join(self, joined: _Request | None, updates: list[Update], early: Callable[[list[Update]], None] | None,
+    def _join(self, joined: list[_Request], updates: list[Update], early: Callable[[list[Update]], None] | None,
               always: bool = False) -> list[Update]:
-        """Hand ``updates`` to ``early`` (where given) before ``joined``'s drafter learns
-        its prompt (or, ``always``, before the pass still to come); returns what is
-        left for ``step`` to return."""
-        if early is not None and updates and (always or joined is not None):
+        """Hand ``updates`` to ``early`` (where given) before the ``joined`` requests'
+        drafters learn their prompts (or, ``always``, before the pass still to come);
+        returns what is left for ``step`` to return."""
+        if early is not None and updates and (always or joined):
             early(updates)
             updates = []
-        if joined is not None:
-            self._begin_drafting(joined)
+        for request in joined:
+            self._begin_drafting(request)
         return updates
 
     def _save_cost(self) -> None:
@@ -371,17 +375,42 @@ class BatchDecoder:
             save()
         self._unsaved = False
 
-    def _rides(self, chunk: Chunk) -> bool:
-        """Whether ``chunk`` rides in the decoding rows' pass: where the rows pack, and
-        not the prompt's last chunk, which takes a pass of its own first, so that the
+    def _rides(self, request: _Request, chunk: Chunk) -> bool:
+        """Whether ``chunk`` (of ``request``'s prompt) rides in the decoding rows' pass:
+        where the rows pack, and not the prompt's last chunk, which takes a pass of its
+        own first (with the other prompts' last chunks of the step), so that the
         request's first token leaves at once and the request joins this step's pass
         rather than the next one's (riding saves only the trees' pass's fixed costs,
         which the joining request would pay for with a whole step's wait)."""
-        last = chunk.prompt.cached + len(chunk.tokens) >= len(self._waiting[0].ids)
+        last = chunk.prompt.cached + len(chunk.tokens) >= len(request.ids)
         return self.rows.packs and bool(self._active) and not last
 
-    def _next_chunk(self, request: _Request) -> Chunk:
-        """The next chunk of ``request``'s prompt (its prefill begins with the first)."""
+    def _next_chunks(self) -> list[tuple[_Request, Chunk]]:
+        """The prompt chunks this step prefills: the waiting requests' in order, at most
+        ``prefill_chunk`` tokens in all, while rows are free (so at most the last of them
+        is not its prompt's last chunk). Where the rows do not pack, the first waiting
+        request's only: its prompt is prefilled on a verifier of its own. A request whose
+        prompt shares more leading tokens with one prefilled in this step than with any
+        kept prefix waits until that one is kept (``Rows.waits_for``): it then computes
+        only the rest."""
+        room, chunks = self.prefill_chunk, []
+        holding = len(self._active) + sum(request.prompt is not None for request in self._waiting)
+        for request in self._waiting:
+            if room == 0 or (chunks and not self.rows.packs):
+                break
+            if request.prompt is None:
+                ahead = [other.ids for other, _ in chunks if other.scope == request.scope]
+                if holding >= self.max_batch or self.rows.waits_for(request.scope, request.ids, ahead):
+                    break
+                holding += 1
+            chunk = self._next_chunk(request, room)
+            room -= len(chunk.tokens)
+            chunks.append((request, chunk))
+        return chunks
+
+    def _next_chunk(self, request: _Request, room: int) -> Chunk:
+        """The next chunk of ``request``'s prompt, at most ``room`` tokens (its prefill
+        begins with the first)."""
         if request.prompt is None:
             # A kept prefix of the prompt (``racer.engine.prefixes``) is not computed again.
             request.prompt = self.rows.begin_prompt(request.ids, request.scope)
@@ -392,28 +421,28 @@ class BatchDecoder:
         # after the first token has left (``racer.engine.prompt_head``) where this model
         # allows it, else in this pass. ``prompt_window`` keeps them to its last positions
         # (a reused prefix has none: the drafter sees the rows computed here).
-        return Chunk(request.prompt, request.ids[done : done + self.prefill_chunk],
-                     1 if request.deferred else self._window)
+        return Chunk(request.prompt, request.ids[done : done + room], 1 if request.deferred else self._window)
 
     @property
     def _window(self) -> int:
         """The prompt's last positions whose predictions the drafter gets (0: all)."""
         return self.prompt_window if self.needs.prompt else 1
 
-    def _capture(self, request: _Request) -> Any:
-        """The prompt head's capture of ``request``'s hidden states in the pass inside the block."""
-        return self.prompt_head.capture() if request.deferred else nullcontext([])
+    def _capture(self, requests: list[_Request]) -> Any:
+        """The prompt head's capture of the hidden states in the pass inside the block,
+        where one of ``requests`` (whose chunks the pass computes) needs them."""
+        return self.prompt_head.capture() if any(request.deferred for request in requests) else nullcontext([])
 
     def _chunk_done(self, request: _Request, chunk: Chunk, hidden: list[torch.Tensor], updates: list[Update],
                     seconds: float) -> _Request | None:
-        """After ``chunk``'s pass (``hidden``: what the prompt head captured in it, the
-        chunk first; ``seconds``: the chunk's share of the pass); returns the request once
+        """After ``chunk``'s pass (``hidden``: what the prompt head captured in it;
+        ``seconds``: the chunk's share of the pass); returns the request once
         its prefill is done and it decodes (its drafting begins with ``_begin_drafting``)."""
         start = time.perf_counter()
         if request.deferred and not hidden:  # the model's pass went around the hooked module
             self.prompt_head.missed()
             request.deferred, request.logits = False, []  # this prompt's drafter sees its last rows only
-        request.logits.append(torch.cat(hidden)[: len(chunk.tokens)] if request.deferred else chunk.logits)
+        request.logits.append(chunk.rows_of(torch.cat(hidden)) if request.deferred else chunk.logits)
         if self._window:
             request.logits = [torch.cat(request.logits)[-self._window:]]
         if request.prompt.cached < len(request.ids):
@@ -426,6 +455,7 @@ class BatchDecoder:
         request.row = self.rows.admit(request.prompt)
         request.prompt = None
         self._active.append(request)
+        self._active.sort(key=lambda r: r.row)  # a row freed while it was prefilled took it lower
         cut = request.stopper.cut(request.result.tokens, [root])
         request.result.extend(cut.tokens, ["none"], 0)
         full = self.rows.lengths[request.row] + 1 >= self.verifier.max_positions
@@ -466,9 +496,9 @@ class BatchDecoder:
         request.result.prefill_s += time.perf_counter() - start
         self.seconds["prefill"] += time.perf_counter() - start
 
-    def _verify(self, updates: list[Update], chunk: Chunk | None = None) -> _Request | None:
-        """One step over the decoding requests, with ``chunk`` (of the first waiting
-        request's prompt) in the same pass where given; returns that request if its
+    def _verify(self, updates: list[Update], riding: tuple[_Request, Chunk] | None = None) -> list[_Request]:
+        """One step over the decoding requests, with ``riding`` (a waiting request and a
+        chunk of its prompt) in the same pass where given; returns that request if its
         prefill is done and it decodes from the next step. Every request's ``StepStats``
         holds the step's times: ``draft_s`` proposing, choosing and the drafters'
         updates, ``verify_s`` the pass, reading it, acceptance and keeping the accepted
@@ -490,8 +520,8 @@ class BatchDecoder:
         candidates = [len(tree) for tree in proposed]
         trees = budget.select(proposed, [r.session.acceptance for r in self._active], lengths) if drafting else proposed
         drafted_at = time.perf_counter()
-        joining = self._waiting[0] if chunk is not None else None
-        with self._capture(joining) if joining is not None else nullcontext([]) as hidden:
+        joining, chunk = riding if riding is not None else (None, None)
+        with self._capture([joining] if joining is not None else []) as hidden:
             logits = self.rows.forward(trees, rows, chunk)
         chosen, topk = self._read(trees, logits)
         accepted = []
@@ -537,9 +567,8 @@ class BatchDecoder:
         self.seconds["emit"] += time.perf_counter() - emitting
         for request, reason in ended:  # after the loop: releasing a row moves another
             self._finish(request, reason)
-        if joining is None:
-            return None
-        return self._chunk_done(joining, chunk, hidden, updates, chunk_s)
+        joined = self._chunk_done(joining, chunk, hidden, updates, chunk_s) if joining is not None else None
+        return [joined] if joined is not None else []
 
     def _read(self, trees: list[DraftTree], logits: torch.Tensor) -> tuple[list, list]:
         """Every row's chosen node tokens and the drafter's top-k ids, read in one

@@ -93,21 +93,31 @@ class PrefixStore:
         """The kept prefix of ``scope`` sharing the most leading tokens with ``ids``,
         and how many it may give (at least ``minimum``; never all of ``ids``: the last
         token is computed, for its logits); (None, 0) if none does."""
+        key, length = self._best(scope, ids)
+        if key is None:
+            return None, 0
+        self._entries.move_to_end(key)
+        self.reused += length
+        return self._entries[key][1], length
+
+    def reusable(self, scope: Hashable | None, ids: Sequence[int]) -> int:
+        """How many of ``ids`` ``longest`` would give now (nothing is used or moved)."""
+        return self._best(scope, ids)[1]
+
+    def _best(self, scope: Hashable | None, ids: Sequence[int]) -> tuple[int | None, int]:
         if scope is None or not self._entries:
             return None, 0
         wanted = np.asarray(ids, dtype=np.int64)
-        best, best_key, best_length = None, None, 0
+        best_key, best_length = None, 0
         for key, (other_scope, prefix) in self._entries.items():
             if other_scope != scope:
                 continue
             length = min(common_prefix(prefix.tokens, wanted), len(wanted) - 1)
             if length > best_length:
-                best, best_key, best_length = prefix, key, length
-        if best is None or best_length < self.minimum:
+                best_key, best_length = key, length
+        if best_key is None or best_length < self.minimum:
             return None, 0
-        self._entries.move_to_end(best_key)
-        self.reused += best_length
-        return best, best_length
+        return best_key, best_length
 
     def _drop(self, key: int) -> None:
         _, prefix = self._entries.pop(key)

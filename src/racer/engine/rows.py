@@ -30,14 +30,14 @@ a later request of the same scope from the longest kept prefix of its prompt.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from racer.drafting.tree import DraftTree, chain
-from racer.engine.prefixes import Prefix, PrefixStore
+from racer.engine.prefixes import Prefix, PrefixStore, common_prefix
 from racer.engine.slots import SlotCache
 from racer.engine.verifier import TreeVerifier
 from racer.engine.windows import indexed_windows
@@ -58,16 +58,24 @@ class Prompt:
 @dataclass
 class Chunk:
     """The next ``tokens`` of ``prompt``, for one pass: the logits at their last ``keep``
-    positions (0: at every one) go to ``logits``, (kept, vocab)."""
+    positions (0: at every one) go to ``logits``, (kept, vocab); ``places``, set by the
+    pass, says where its tokens lay in it, in order (a slice of the pass's positions, or
+    two where the pass put its kept positions apart)."""
 
     prompt: Prompt
     tokens: list[int]
     keep: int
     logits: torch.Tensor | None = None
+    places: list[slice] = field(default_factory=list)
 
     @property
     def kept(self) -> int:
         return len(self.tokens) if self.keep == 0 else min(self.keep, len(self.tokens))
+
+    def rows_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The chunk's tokens' rows of ``hidden``, one row per position of its pass."""
+        parts = [hidden[place] for place in self.places]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class Rows(Protocol):
@@ -80,8 +88,13 @@ class Rows(Protocol):
         """Where a new request of ``ids`` is prefilled, starting after the longest kept
         prefix of its prompt (``Prompt.cached``) where the rows keep prefixes."""
 
-    def prefill(self, chunk: Chunk) -> None:
-        """Cache ``chunk`` in a pass of its own (its logits in ``chunk.logits``)."""
+    def prefill(self, chunks: list[Chunk]) -> None:
+        """Cache ``chunks`` (of different prompts; more than one only where the rows
+        pack) in a pass of their own (each one's logits in its ``logits``)."""
+
+    def waits_for(self, scope: Hashable | None, ids: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
+        """Whether a new prompt of ``ids`` would start from more of its tokens once the
+        prompts ``others`` (of ``scope``, being prefilled) are kept than it would now."""
 
     def admit(self, prompt: Prompt) -> int:
         """The prefilled request decodes from now on; returns its row."""
@@ -113,6 +126,7 @@ def prefill_on(verifier: TreeVerifier, chunk: Chunk) -> None:
         chunk.logits = verifier.verify(chain(tokens[0], tokens[1:]), keep=chunk.keep)
         verifier.commit(list(range(len(tokens))), len(tokens))
     chunk.prompt.cached = verifier.cached
+    chunk.places = [slice(0, len(tokens))]
 
 
 class OneRow:
@@ -134,8 +148,13 @@ class OneRow:
         self.verifier.cached = 0
         return Prompt(0, verifier=self.verifier)
 
-    def prefill(self, chunk: Chunk) -> None:
-        prefill_on(self.verifier, chunk)
+    def prefill(self, chunks: list[Chunk]) -> None:
+        if len(chunks) != 1:
+            raise RuntimeError("rows: one prompt chunk a pass")
+        prefill_on(self.verifier, chunks[0])
+
+    def waits_for(self, scope: Hashable | None, ids: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
+        return False
 
     def keep(self, row: int, scope: Hashable | None, tokens: Sequence[int]) -> None:
         pass
@@ -199,11 +218,22 @@ class SlotRows:
             verifier.resume(prefix.kv, length)
         return Prompt(length, verifier=verifier)
 
-    def prefill(self, chunk: Chunk) -> None:
-        if chunk.prompt.row is None:
-            prefill_on(chunk.prompt.verifier, chunk)
-        else:
-            self.forward([], [], chunk)
+    def prefill(self, chunks: list[Chunk]) -> None:
+        if len(chunks) == 1 and chunks[0].prompt.row is None:
+            prefill_on(chunks[0].prompt.verifier, chunks[0])
+            return
+        if not self.packs or any(chunk.prompt.row is None for chunk in chunks):
+            raise RuntimeError("rows: prompt chunks share a pass only where the rows pack, each on its own row")
+        if self._packed_forward([], [], chunks) is None:
+            raise RuntimeError("rows: an attention call refused packed rows that the probe pass took")
+
+    def waits_for(self, scope: Hashable | None, ids: Sequence[int], others: Sequence[Sequence[int]]) -> bool:
+        if not others or not self.prefixes.wants(scope, self.prefixes.minimum):
+            return False
+        wanted = np.asarray(ids, dtype=np.int64)
+        shared = max(common_prefix(np.asarray(other, dtype=np.int64), wanted) for other in others)
+        shared = min(shared, len(wanted) - 1)  # the last token is always computed
+        return shared >= self.prefixes.minimum and shared > self.prefixes.reusable(scope, ids)
 
     def admit(self, prompt: Prompt) -> int:
         if prompt.row is not None:
@@ -244,7 +274,7 @@ class SlotRows:
         if chunk is not None or (self.packs and (len(trees) > 1 or rows != every)):
             if not self.packs or chunk is not None and chunk.prompt.row is None:
                 raise RuntimeError("rows: a prompt chunk rides only in a packed pass, on the prompt's own row")
-            logits = self._packed_forward(trees, rows, chunk)
+            logits = self._packed_forward(trees, rows, [chunk] if chunk is not None else [])
             if logits is None:
                 raise RuntimeError("rows: an attention call refused packed rows that the probe pass took")
             return logits
@@ -253,25 +283,47 @@ class SlotRows:
         return self._padded_forward(trees)
 
     def _packed_forward(self, trees: list[DraftTree], rows: list[int],
-                        chunk: Chunk | None = None) -> torch.Tensor | None:
-        """The pass with ``chunk``'s tokens first (if any), then every tree, in one
-        sequence; None where an attention call could not take packed rows."""
+                        chunks: Sequence[Chunk] = ()) -> torch.Tensor | None:
+        """The pass with ``chunks``' tokens first (if any), then every tree, in one
+        sequence; None where an attention call could not take packed rows. The positions
+        whose logits are kept end the sequence, so that the LM head computes no others:
+        the last chunk's, then each other chunk's kept positions (a segment apart from
+        the rest of its chunk, which comes first), then the trees'."""
         v, device = self.verifier, self.verifier.device
         lengths = self.lengths
         ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
-        if chunk is not None:
-            row, n = chunk.prompt.row, len(chunk.tokens)
-            ids += chunk.tokens
-            positions += range(lengths[row], lengths[row] + n)
-            segments.append(Segment(row, 0, n, lengths[row] + n, self._prompt_mask(lengths[row], n), prompt=True))
+        writes: list[tuple[int, int, int]] = []  # each run of the pass: its row, first position, tokens
+
+        def place(chunk: Chunk, first: int, count: int) -> None:
+            """``count`` of ``chunk``'s tokens from its ``first``, next in the sequence."""
+            if count == 0:
+                return
+            row, start = chunk.prompt.row, len(ids)
+            before = lengths[row] + first
+            ids.extend(chunk.tokens[first : first + count])
+            positions.extend(range(before, before + count))
+            segments.append(Segment(row, start, start + count, before + count, self._prompt_mask(before, count),
+                                    prompt=True))
+            writes.append((row, before, count))
+            chunk.places.append(slice(start, start + count))
+
+        for chunk in chunks:
+            chunk.places = []
+        for chunk in chunks[:-1]:
+            place(chunk, 0, len(chunk.tokens) - chunk.kept)
+        if chunks:
+            place(chunks[-1], 0, len(chunks[-1].tokens))
+        for chunk in chunks[:-1]:
+            place(chunk, len(chunk.tokens) - chunk.kept, chunk.kept)
         sizes = [len(tree) for tree in trees]
         starts = []
         for tree, row in zip(trees, rows):
             starts.append(len(ids))
             ids += tree.tokens
             positions += [d + lengths[row] for d in tree.depths]
+            writes.append((row, lengths[row], len(tree)))
         total = len(ids)
         padded: list[PaddedRows] = []
         if trees:
@@ -287,12 +339,11 @@ class SlotRows:
                 stop = starts[end] if end < len(starts) else total
                 padded.append(PaddedRows(index, mask, back, starts[first], stop, rows[first]))
         packed = PackedRows(segments, padded)
-        self.slots.begin_packed(([chunk.prompt.row] if chunk is not None else []) + rows,
-                                ([len(chunk.tokens)] if chunk is not None else []) + sizes, device)
+        self.slots.begin_packed(writes, device)
         # The model takes a prepared 4D mask as it is; the rows' own masks are in ``packed``.
         placeholder = torch.zeros((1, 1, total, 1), dtype=v.dtype, device=device)
         linear = v.kernels.using(v.kernel_of(total))
-        kept = (chunk.kept if chunk is not None else 0) + sum(sizes)  # the chunk's head only where asked
+        kept = sum(chunk.kept for chunk in chunks) + sum(sizes)  # a chunk's head only where asked
         ids_t = torch.tensor([ids], dtype=torch.long, device=device)
         positions_t = torch.tensor([positions], dtype=torch.long, device=device)
         try:
@@ -302,13 +353,14 @@ class SlotRows:
             self.slots.state.packed_rows = self.slots.state.packed_at = None
         if packed.refused or packed.calls != len(self.slots.slot_layers):
             return None
-        if chunk is not None:
-            chunk.logits = logits[: chunk.kept]
+        base = total - kept  # packed position of the first row of ``logits``
+        for chunk in chunks:
+            end = chunk.places[-1].stop - base
+            chunk.logits = logits[end - chunk.kept : end]
             self.slots.state.lengths[chunk.prompt.row] += len(chunk.tokens)
             chunk.prompt.cached = self.slots.state.lengths[chunk.prompt.row]
         if not trees:
             return logits[:0, None]
-        base = total - kept  # packed position of the first row of ``logits``
         return logits[self._padded_index([start - base for start in starts], sizes)]
 
     def _prompt_mask(self, length: int, n: int) -> torch.Tensor | None:

@@ -62,7 +62,10 @@ def _slot_layer_class() -> Any:
                 return
             new_rows, new_positions = max(rows, have_rows), max(positions, have_positions)
             if rows > have_rows:
-                new_rows = max(rows, min(2 * have_rows, self.state.max_rows))
+                new_rows = max(have_rows, 1)
+                while new_rows < rows:
+                    new_rows *= 2
+                new_rows = max(rows, min(new_rows, self.state.max_rows))
             if positions > have_positions:
                 new_positions = max(2 * positions, _MIN_POSITIONS)
             keys = like_k.new_zeros(new_rows, like_k.shape[1], new_positions, like_k.shape[3])
@@ -199,17 +202,18 @@ class SlotCache:
         self.state.span = max(self.state.lengths) + nodes
         self.state.packed_rows = self.state.packed_at = None
 
-    def begin_packed(self, rows: list[int], sizes: list[int], device: torch.device) -> None:
-        """Before a packed pass of ``sizes[i]`` tokens of row ``rows[i]``, one segment
-        after another: a segment's token j writes at position ``lengths[row] + j``, as in
-        a padded pass."""
+    def begin_packed(self, writes: list[tuple[int, int, int]], device: torch.device) -> None:
+        """Before a packed pass of runs ``(row, first, size)``, one after another: a
+        run's token j writes at position ``first + j`` of its row (a tree or a prompt
+        chunk at the row's length, as in a padded pass; the rest of a chunk whose first
+        tokens an earlier run wrote)."""
         state = self.state
+        rows, firsts, sizes = (list(column) for column in zip(*writes))
         segment = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
         starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
-        lengths = torch.tensor([state.lengths[row] for row in rows])
         state.packed_rows = torch.tensor(rows)[segment].to(device)
-        state.packed_at = (lengths[segment] + torch.arange(len(segment)) - starts[segment]).to(device)
-        state.span = max(state.lengths[row] + size for row, size in zip(rows, sizes))
+        state.packed_at = (torch.tensor(firsts)[segment] + torch.arange(len(segment)) - starts[segment]).to(device)
+        state.span = max(first + size for first, size in zip(firsts, sizes))
 
     def compact(self, row: int, path: list[int]) -> None:
         """Keep the KV of ``path`` (node indices in the pass, root first) of ``row``

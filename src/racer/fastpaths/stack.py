@@ -102,14 +102,16 @@ class DecoderStack:
             query = attn.q_proj.forward(x).view(heads).transpose(1, 2)
             key = attn.k_proj.forward(x).view(heads).transpose(1, 2)
             value = attn.v_proj.forward(x).view(heads).transpose(1, 2)
-            query = (query * cos) + (rotate_half(query) * sin)
-            key = (key * cos) + (rotate_half(key) * sin)
+            # In place where a tensor is the pass's own temporary: the same operations in
+            # the same order (so the same bits), without allocating a buffer for each.
+            query = (query * cos).add_(rotate_half(query).mul_(sin))
+            key = (key * cos).add_(rotate_half(key).mul_(sin))
             # The keywords a layer hands on to the cache and the attention function.
             key, value = cache.update(key, value, attn.layer_idx, kwargs=passed)
             out, _ = attend(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling, **passed)
-            hidden = hidden + attn.o_proj.forward(out.reshape(*shape, -1).contiguous())
+            hidden = hidden.add_(attn.o_proj.forward(out.reshape(*shape, -1).contiguous()))
             x, mlp = layer.post_attention_layernorm.forward(hidden), layer.mlp
-            hidden = hidden + mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+            hidden = hidden.add_(mlp.down_proj.forward(mlp.act_fn(mlp.gate_proj.forward(x)).mul_(mlp.up_proj.forward(x))))
         hidden = base.norm.forward(hidden)
         return self.output(last_hidden_state=hidden, **{self.cache_keyword: cache})
 

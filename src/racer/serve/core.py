@@ -119,7 +119,7 @@ class EngineSpec:
     dtype: str = "float32"
     device: str | None = None
     max_batch: int = 8
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     threads: int | None = None
     prefix_cache_mib: int = 0
 
