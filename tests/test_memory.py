@@ -27,6 +27,52 @@ def test_a_scope_takes_back_what_it_gave_last_and_nothing_of_another_scope():
     assert pool.take("a", make) == 3
 
 
+def test_a_score_picks_the_idle_item_and_ties_go_to_the_one_returned_last():
+    pool: DrafterPool = DrafterPool(limit=4)
+    for item in ("x", "yy", "zz", "www"):
+        pool.give_back("a", item)
+    pool.give_back("b", "vvvvv")
+    assert pool.take("a", lambda: "new", len) == "www"  # another scope's never scores
+    assert pool.take("a", lambda: "new", len) == "zz"  # of the two of length 2, the one returned last
+    assert pool.take("a", lambda: "new", lambda item: 0) == "yy"  # all tie: the last returned
+    assert pool.take("c", lambda: "new", len) == "new"
+
+
+def test_a_request_takes_the_drafter_of_its_conversation_and_learns_only_what_is_new():
+    from racer.drafting import parse_method
+    from racer.drafting.automaton import ROOT
+    from racer.drafting.tree import DraftTree
+    from racer.engine.memory import DrafterMemory
+
+    def count(automaton, window):
+        node = ROOT
+        for token in window:
+            node = automaton.children[node][token]
+        return automaton.freq[node]
+
+    memory = DrafterMemory(lambda: parse_method("racer").drafter, rated=True, limit=4)
+    talk_a, talk_b = list(range(100, 140)), list(range(200, 240))
+    a, b = memory.begin("s", talk_a, None), memory.begin("s", talk_b, None)
+    for token in (1, 2, 3):  # each writes an answer
+        for session in (a, b):
+            session.observe(DraftTree.single(token), None, [0])
+    memory.end(a)
+    memory.end(b)  # b is handed back last, a holds the conversation resent below
+    resent = talk_a + [1, 2, 3] + [50, 51, 52]
+    assert a.drafter.holds(resent) == len(talk_a) + 3 and b.drafter.holds(resent) == 0
+    again = memory.begin("s", resent, None)
+    assert again.drafter is a.drafter
+    automaton = again.drafter.automaton
+    n = automaton.n
+    assert count(automaton, talk_a[:n]) == 1  # the resent text counted once, not once per call
+    assert count(automaton, resent[-n:]) == 1  # what is new is learnt
+    # A fresh (per-request) drafter keeps nothing to offer.
+    fresh = DrafterMemory(lambda: parse_method("racer:memory=fresh").drafter, rated=True, limit=4)
+    session = fresh.begin("s", talk_a, None)
+    fresh.end(session)
+    assert session.drafter.holds(talk_a) == 0
+
+
 def test_no_scope_keeps_nothing_and_the_pool_is_bounded():
     pool: DrafterPool = DrafterPool(limit=2)
     pool.give_back(None, "x")

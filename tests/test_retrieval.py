@@ -141,6 +141,31 @@ def test_under_eviction_invariants_hold(stream, n, extra, data):
         assert tree.evictions > 0
 
 
+@settings(max_examples=150, deadline=None)
+@given(streams, streams, st.integers(2, 5), st.data())
+def test_a_prompt_that_resends_learnt_text_counts_each_window_once(history, new, n, data):
+    """A kept drafter's next prompt often resends the last request's text (a client's
+    conversation): ``start(prompt, held)`` inserts only the windows that end past the
+    ``held`` tokens, so each window of the text is counted once."""
+    prompt_len = data.draw(st.integers(0, len(history)))
+    held = data.draw(st.integers(0, len(history)))
+    prompt = history[:held] + new
+    tree = NgramAutomaton(n=n, capacity=100_000)
+    feed(tree, list(history), prompt_len)
+    tree.start(prompt, held)
+    windows = [tuple(history[e - n : e]) for e in range(n, len(history) + 1)]
+    ends = range(max(n, min(held, len(prompt) - 1) + 1), len(prompt) + 1)
+    windows += [tuple(prompt[e - n : e]) for e in ends]
+    trie = contents(tree)
+    assert trie == dict(Counter(w[:i] for w in windows for i in range(1, len(w) + 1)))
+    check_links(tree, trie)
+    assert tree.string(tree.state) == oracle_state(trie, prompt)
+    if held == len(history) and len(prompt) > held:  # the prompt extends the text: as if learnt once
+        once = NgramAutomaton(n=n, capacity=100_000)
+        once.start(list(prompt))
+        assert trie == contents(once) and tree.lru_order() == once.lru_order()
+
+
 def test_recycled_slots_are_reused_and_memory_is_bounded():
     tree = NgramAutomaton(n=4, capacity=50)
     stream = [(i * 7919) % 31 for i in range(2000)]

@@ -193,18 +193,22 @@ class NgramAutomaton:
         else:
             self.advance(context[-1])
 
-    def insert_windows(self, context: Sequence[int]) -> int:
-        """Insert every full n-gram window of ``context``, leaving the matching state
-        alone; returns the last window's node (ROOT: none, the context is shorter)."""
+    def insert_windows(self, context: Sequence[int], held: int = 0) -> int:
+        """Insert every full n-gram window of ``context`` but those that lie within its
+        first ``held`` tokens, leaving the matching state alone; returns the last
+        window's node (ROOT: none, the context is shorter)."""
         n, node = self.n, ROOT
-        for end in range(n, len(context) + 1):
+        for end in range(max(n, held + 1), len(context) + 1):
             node = self.insert(context[end - n : end])
         return node
 
-    def start(self, context: Sequence[int]) -> None:
-        """A new context (a prompt): insert all its full windows, set the state."""
+    def start(self, context: Sequence[int], held: int = 0) -> None:
+        """A new context (a prompt): insert its full windows, set the state. ``held``:
+        its first tokens are text whose windows this automaton was given already (the
+        last context it learnt), so only the windows that end past them are inserted,
+        and the last window in any case, which the state stands on."""
         if len(context) >= self.n:
-            self.state = self.insert_windows(context)
+            self.state = self.insert_windows(context, min(held, len(context) - 1))
         else:
             self.reset_state(context)
 

@@ -80,6 +80,13 @@ class Drafter(ABC):
         """The shared memory (one ``new_shared`` made) of the scope of the request about
         to ``begin``, or None: that request shares nothing."""
 
+    def holds(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` this drafter has learnt already, as the
+        text of the last request it served (that request's prompt and answer), which its
+        ``begin`` then need not learn again: an agent or a chat client resends its whole
+        conversation on every call. 0: it keeps nothing of a request's text that way."""
+        return 0
+
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         """A new request. With ``needs.prompt``, ``prompt_topk`` holds the top ids
         predicted at the prompt's last positions (the engine's ``prompt_window`` of them,

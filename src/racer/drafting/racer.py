@@ -49,6 +49,19 @@ def shared_logits_feature(rank: int, depth: int) -> tuple:
 _SHARED_KEYS = ("shared", "shared-logits")  # the evidence keys' first element for shared drafts
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: a binary search over slice
+    comparisons, which run in C."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
     "logits": ("copy", "last"),
@@ -109,6 +122,8 @@ class RacerDrafter(Drafter):
         self.table = CopyLogitTable(k)
         self._last_row: tuple[int, ...] = ()
         self._context: list[int] = []
+        # The text of the request it serves, whole (``holds``), where memory is kept.
+        self._learnt: list[int] = []
         self.matches = ContextMatch(min_border + 1)
         # This request's accepted draft tokens: by rank (1-based) in the parent's
         # copy-logit row (0: not in the row), and by source.
@@ -125,15 +140,27 @@ class RacerDrafter(Drafter):
         self._shared = shared
 
     # -- request lifecycle -------------------------------------------------------------
+    def holds(self, prompt: Sequence[int]) -> int:
+        """The automaton holds every window of the last request's text; the copy-logit
+        table is refreshed from the prompt's rows whatever this says."""
+        if not self._learnt:
+            return 0
+        return _common_prefix(self._learnt, prompt if isinstance(prompt, list) else [int(t) for t in prompt])
+
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.accepted_ranks, self.accepted_by_source, self.accepted_shared = Counter(), Counter(), 0
         self.accepted_deep = 0
+        held = 0 if self.fresh else self.holds(prompt)
         if self.fresh:
             self.automaton = NgramAutomaton(self.n, self.nodes)
             self.table = CopyLogitTable(self.k)
         self._context = [int(t) for t in prompt]
         if self.use_retrieval:
-            self.automaton.start(self._context)
+            # Windows of text it was given already would only count again: a client that
+            # resends its conversation has said it once.
+            self.automaton.start(self._context, held)
+            if not self.fresh:
+                self._learnt = list(self._context)
         if self.use_deep:
             self.matches = ContextMatch(self.min_border + 1)
             self.matches.extend(self._context)
@@ -246,8 +273,11 @@ class RacerDrafter(Drafter):
                 self._shared.write(tokens, rows)
             self._last_row = tuple(tree_topk[accepted[-1]].tolist())
         ctx = self._context
+        learnt = self._learnt if self.use_retrieval and not self.fresh else None
         for i in accepted:
             ctx.append(tree.tokens[i])
+            if learnt is not None:
+                learnt.append(tree.tokens[i])
             if self.use_deep:
                 self.matches.append(tree.tokens[i])
             if self.use_retrieval:

@@ -253,7 +253,8 @@ class BatchDecoder:
         come as a ``GenerationOptions`` and/or as its fields by keyword.
 
         ``scope``: requests of one scope share drafter memory: this request drafts with
-        the drafter a finished request of the scope handed back last (if one is idle)
+        the idle drafter of the scope that holds the longest start of its prompt, else the
+        one a finished request of the scope handed back last (if one is idle)
         and hands it back when it ends; None: a drafter of its own, dropped after.
         ``result``: where the request's tokens and statistics go as it decodes (emptied
         first; ``self.result`` hands it back at the end), for a caller that shows them

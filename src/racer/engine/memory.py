@@ -8,10 +8,12 @@ memory is its own state (RACER's n-gram automaton and copy-logit table, Token
 Recycling's adjacency table, ...), which its ``begin`` keeps or clears as its
 ``memory`` option says. One drafter serves one request at a time, so memory travels
 with drafters: a request that ends hands its drafter back to its scope, and the next
-request of that scope takes the drafter handed back last (the freshest memory). With
-C requests in flight a scope holds up to C drafters, each with the memory of the
-requests it served. Requests of no scope (``None``) get a new drafter and give
-nothing back.
+request of that scope takes one of its idle drafters: the one that holds the longest
+start of its prompt as the text of the last request it served (``Drafter.holds``: the
+drafter of the same conversation, where a client resends it, which then learns only
+what is new), else the one handed back last (the freshest memory). With C requests in
+flight a scope holds up to C drafters, each with the memory of the requests it served.
+Requests of no scope (``None``) get a new drafter and give nothing back.
 
 A drafter configured to share (RACER's ``memory=shared``) also reads and writes the
 memory of its request's scope (``Drafter.new_shared``, one per scope, made by the first
@@ -55,12 +57,26 @@ class DrafterPool(Generic[Item]):
         self._idle: "OrderedDict[int, tuple[Hashable, Item]]" = OrderedDict()  # oldest first
         self._serial = 0
 
-    def take(self, scope: Hashable | None, build: Callable[[], Item]) -> Item:
-        """The idle item of ``scope`` returned last, or a new one from ``build``."""
-        serial = self._last(scope)
+    def take(self, scope: Hashable | None, build: Callable[[], Item],
+             score: Callable[[Item], int] | None = None) -> Item:
+        """The idle item of ``scope`` returned last, or a new one from ``build``; with
+        ``score``, the idle item of ``scope`` that scores highest (ties: the one
+        returned last)."""
+        serial = self._last(scope) if score is None else self._best(scope, score)
         if serial is None:
             return build()
         return self._idle.pop(serial)[1]
+
+    def _best(self, scope: Hashable | None, score: Callable[[Item], int]) -> int | None:
+        best, best_score = None, -1
+        if scope is not None:
+            for serial in reversed(self._idle):
+                key, item = self._idle[serial]
+                if key == scope:
+                    value = score(item)
+                    if value > best_score:
+                        best, best_score = serial, value
+        return best
 
     def peek(self, scope: Hashable | None) -> Item | None:
         """The idle item ``take`` would give ``scope``, left where it is (None: none)."""
@@ -134,9 +150,11 @@ class DrafterMemory:
         return self.build(), AcceptanceModel() if self.rated and not self.shared_rates else None
 
     def begin(self, scope: Hashable | None, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> DraftSession:
-        """A request starts: the drafter its scope handed back last (or a new one)
-        learns its prompt (``Drafter.begin``)."""
-        drafter, acceptance = self.pool.take(scope, self._new)
+        """A request starts: the idle drafter of its scope that holds the longest start
+        of its prompt (ties: the one handed back last), or a new one, learns its prompt
+        (``Drafter.begin``)."""
+        prompt = prompt if isinstance(prompt, list) else [int(t) for t in prompt]  # scored once per idle drafter
+        drafter, acceptance = self.pool.take(scope, self._new, lambda item: item[0].holds(prompt))
         if self.shared_rates:
             acceptance = self._rates(scope)
         drafter.share(self._shared(scope, drafter))
