@@ -115,6 +115,7 @@ class RacerDrafter(Drafter):
         self.use_deep = bool(deep) and self.use_retrieval and not self.chain  # a chain drafts no deep chain
         self.last_logit, self.accepted_only = logits == "last", update == "accepted"
         self.fresh = memory in ("fresh", "shared")
+        self.keeps_text = self.use_retrieval and not self.fresh  # ``holds`` has text to offer
         # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
         self.needs = (Needs(topk=k + 1 if self.last_logit else k, prompt=True, prompt_rows="latest")
                       if self.use_logits else Needs())
@@ -122,7 +123,7 @@ class RacerDrafter(Drafter):
         self.table = CopyLogitTable(k)
         self._last_row: tuple[int, ...] = ()
         self._context: list[int] = []
-        # The text of the request it serves, whole (``holds``), where memory is kept.
+        # The text of the request it serves, whole (``holds``), where ``keeps_text``.
         self._learnt: list[int] = []
         self.matches = ContextMatch(min_border + 1)
         # This request's accepted draft tokens: by rank (1-based) in the parent's
@@ -150,7 +151,7 @@ class RacerDrafter(Drafter):
     def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
         self.accepted_ranks, self.accepted_by_source, self.accepted_shared = Counter(), Counter(), 0
         self.accepted_deep = 0
-        held = 0 if self.fresh else self.holds(prompt)
+        held = self.holds(prompt)
         if self.fresh:
             self.automaton = NgramAutomaton(self.n, self.nodes)
             self.table = CopyLogitTable(self.k)
@@ -159,8 +160,8 @@ class RacerDrafter(Drafter):
             # Windows of text it was given already would only count again: a client that
             # resends its conversation has said it once.
             self.automaton.start(self._context, held)
-            if not self.fresh:
-                self._learnt = list(self._context)
+        if self.keeps_text:
+            self._learnt = list(self._context)
         if self.use_deep:
             self.matches = ContextMatch(self.min_border + 1)
             self.matches.extend(self._context)
@@ -273,7 +274,7 @@ class RacerDrafter(Drafter):
                 self._shared.write(tokens, rows)
             self._last_row = tuple(tree_topk[accepted[-1]].tolist())
         ctx = self._context
-        learnt = self._learnt if self.use_retrieval and not self.fresh else None
+        learnt = self._learnt if self.keeps_text else None
         for i in accepted:
             ctx.append(tree.tokens[i])
             if learnt is not None:
