@@ -6,10 +6,11 @@ spent learning prompts (``DrafterMemory.begin``), how many prompt windows RACER'
 automata inserted, a hash of every answer (the same on every checkout: greedy), and the
 engine's seconds by part.
 
-    .venv/bin/python benchmarks/smollm2-cpu/conversation_drafters/agent_in_process.py C [CAPACITY]
+    .venv/bin/python benchmarks/smollm2-cpu/conversation_drafters/agent_in_process.py C [CAPACITY [METHOD]]
 
 CAPACITY (a number) fixes the tree size, which makes the run deterministic: its tokens
-per pass then compare checkouts without the draft budget's timing in between. Run from
+per pass then compare checkouts without the draft budget's timing in between (``auto``:
+the draft budget, the default). METHOD: the engine's method (default ``racer``). Run from
 two checkouts alternately (``PYTHONPATH=OTHER/src``) for a before/after.
 """
 
@@ -23,10 +24,11 @@ from racer.drafting.automaton import NgramAutomaton
 from racer.engine.loop import BatchDecoder
 
 concurrency = int(sys.argv[1])
-capacity = int(sys.argv[2]) if len(sys.argv) > 2 else None
+capacity = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "auto" else None
+method = sys.argv[3] if len(sys.argv) > 3 else "racer"
 racer.use_threads(2)
 model, tokenizer = racer.load_model(dtype="float32")
-engine = BatchDecoder(model, tokenizer, "racer", capacity=capacity, max_batch=8, prefill_chunk=2048,
+engine = BatchDecoder(model, tokenizer, method, capacity=capacity, max_batch=8, prefill_chunk=2048,
                       prefix_cache_mib=512)
 engine.calibrate()
 
