@@ -143,3 +143,62 @@ def test_real_model_requests_sharing_a_memory_decode_as_alone(real):
     assert [r.tokens for r in results] == [hf_greedy(model, p, tokens) for p in prompts]
     assert sum(r.drafter_stats["accepted_shared"] for r in results[4:]) > tokens // 2
     assert batch.memory.shared["server"].writers == len(prompts)
+
+
+def test_kept_shared_keeps_its_lineage_and_writes_a_resent_conversation_once():
+    """``memory=kept-shared``: a request takes the drafter of its conversation, as
+    ``kept`` does, and the scope's memory beside it; the text that drafter held is
+    counted once in both automata, and another lineage drafts from it."""
+    from racer.drafting.automaton import ROOT
+    from racer.drafting.tree import DraftTree
+
+    def count(automaton, window):
+        node = ROOT
+        for token in window:
+            node = automaton.children[node][token]
+        return automaton.freq[node]
+
+    memory = _memory("racer:memory=kept-shared")
+    talk_a, talk_b = [1, 2, 3] + PHRASE + TAIL, list(range(200, 240))
+    a, b = memory.begin("s", talk_a, None), memory.begin("s", talk_b, None)
+    for token in (90, 91, 92):
+        a.observe(DraftTree.single(token), None, [0])
+    memory.end(a)
+    memory.end(b)
+    resent = talk_a + [90, 91, 92] + [93, 94, 95]
+    again = memory.begin("s", resent, None)
+    assert again.drafter is a.drafter
+    shared = memory.shared["s"]
+    n = shared.automaton.n
+    for automaton in (again.drafter.automaton, shared.automaton):
+        assert count(automaton, talk_a[:n]) == 1  # not relearnt, not rewritten
+        assert count(automaton, resent[-n:]) == 1  # what is new reaches both
+    # The other lineage's drafter has never seen talk_a: it drafts it from the scope's memory.
+    other = memory.begin("s", [7, 8, 50, 51], None)
+    assert other.drafter is b.drafter
+    assert set(PHRASE[3:]) <= _drafted(other, 52)
+    assert shared.writers == 4
+
+
+def test_real_agent_sessions_with_kept_and_shared_memory_decode_as_alone(real):
+    """Two agent sessions, each call resending the conversation, through two rows with
+    ``memory=kept-shared``: each call's drafter holds its conversation and the scope's
+    memory holds both; every answer is plain greedy's."""
+    from racer import encode_prompt
+    from racer.bench.questions import load_questions
+
+    model, tokenizer = real
+    calls = [q for q in load_questions("agent_sessions") if q.session in ("session-0", "session-1")]
+    sessions = [[q for q in calls if q.session == name][:2] for name in ("session-0", "session-1")]
+    batch = BatchDecoder(model, tokenizer, "racer:memory=kept-shared", max_batch=2, prefill_chunk=256, check=False)
+    tokens = 32
+    asked = []
+    for turn in range(2):  # both sessions' calls of a turn decode together
+        ids = [batch.submit(s[turn].chat, max_new_tokens=tokens, scope="server") for s in sessions]
+        while batch.busy:
+            batch.step()
+        asked += [(s[turn], batch.result(i)) for s, i in zip(sessions, ids)]
+    for question, result in asked:
+        assert result.tokens == hf_greedy(model, encode_prompt(tokenizer, question.chat, chat=True), tokens)
+    assert batch.memory.shared["server"].writers == 4
+    assert sum(r.drafter_stats["accepted_shared"] for _, r in asked) > 0

@@ -66,7 +66,7 @@ _CHOICES = {
     "sources": ("both", "retrieval", "logits"),
     "logits": ("copy", "last"),
     "update": ("all", "accepted"),
-    "memory": ("kept", "fresh", "shared"),
+    "memory": ("kept", "fresh", "shared", "kept-shared"),
 }
 
 
@@ -86,7 +86,8 @@ class RacerDrafter(Drafter):
     - ``memory``: kept across requests (one lineage of requests, the drafter's) | fresh
       per request (the paper's) | shared: fresh per request, with the scope's shared
       memory read beside it (``racer.drafting.shared``; ``shared_nodes`` bounds its
-      automaton)
+      automaton) | kept-shared: kept, with the scope's shared memory beside it (a
+      conversation the drafter holds is neither relearnt nor written there again)
     """
 
     name = "racer"
@@ -135,7 +136,7 @@ class RacerDrafter(Drafter):
         self._shared: SharedMemory | None = None
 
     def new_shared(self) -> SharedMemory | None:
-        return SharedMemory(self.n, self.shared_nodes, self.k) if self.memory == "shared" else None
+        return SharedMemory(self.n, self.shared_nodes, self.k) if self.memory.endswith("shared") else None
 
     def share(self, shared: SharedMemory | None) -> None:
         self._shared = shared
@@ -169,7 +170,8 @@ class RacerDrafter(Drafter):
             self.table.write(self._context[len(self._context) - len(prompt_topk) :], prompt_topk)
             self._last_row = tuple(prompt_topk[-1].tolist())
         if self._shared is not None:
-            self._shared.begin(self._context, prompt_topk)
+            # What it holds, its earlier request wrote into this same memory already.
+            self._shared.begin(self._context, prompt_topk, held)
 
     def _candidates(self, token: int) -> tuple[int, ...]:
         # last-logit: every node reuses the last step's logits; their rank 1 is the

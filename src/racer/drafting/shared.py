@@ -39,14 +39,15 @@ class SharedMemory:
         self.table = CopyLogitTable(k)
         self.writers = 0  # requests that have written here
 
-    def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None) -> None:
-        """A request starts: its prompt's n-grams, and the predictions over its last
+    def begin(self, prompt: Sequence[int], prompt_topk: np.ndarray | None, held: int = 0) -> None:
+        """A request starts: its prompt's n-grams but those within its first ``held``
+        tokens (text its drafter wrote here before), and the predictions over its last
         positions where it has them."""
         self.writers += 1
         if len(prompt) < self.automaton.n:
             self.automaton.insert(prompt)  # a short prompt is still text later requests may repeat
         else:
-            self.automaton.insert_windows(prompt)
+            self.automaton.insert_windows(prompt, held)
         if prompt_topk is not None and len(prompt_topk):
             self.table.write(prompt[len(prompt) - len(prompt_topk) :], prompt_topk)
 
