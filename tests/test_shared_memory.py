@@ -149,14 +149,7 @@ def test_kept_shared_keeps_its_lineage_and_writes_a_resent_conversation_once():
     """``memory=kept-shared``: a request takes the drafter of its conversation, as
     ``kept`` does, and the scope's memory beside it; the text that drafter held is
     counted once in both automata, and another lineage drafts from it."""
-    from racer.drafting.automaton import ROOT
     from racer.drafting.tree import DraftTree
-
-    def count(automaton, window):
-        node = ROOT
-        for token in window:
-            node = automaton.children[node][token]
-        return automaton.freq[node]
 
     memory = _memory("racer:memory=kept-shared")
     talk_a, talk_b = [1, 2, 3] + PHRASE + TAIL, list(range(200, 240))
@@ -171,8 +164,9 @@ def test_kept_shared_keeps_its_lineage_and_writes_a_resent_conversation_once():
     shared = memory.shared["s"]
     n = shared.automaton.n
     for automaton in (again.drafter.automaton, shared.automaton):
-        assert count(automaton, talk_a[:n]) == 1  # not relearnt, not rewritten
-        assert count(automaton, resent[-n:]) == 1  # what is new reaches both
+        freq = contents(automaton)
+        assert freq[tuple(talk_a[:n])] == 1  # not relearnt, not rewritten
+        assert freq[tuple(resent[-n:])] == 1  # what is new reaches both
     # The other lineage's drafter has never seen talk_a: it drafts it from the scope's memory.
     other = memory.begin("s", [7, 8, 50, 51], None)
     assert other.drafter is b.drafter
@@ -188,7 +182,7 @@ def test_real_agent_sessions_with_kept_and_shared_memory_decode_as_alone(real):
     from racer.bench.questions import load_questions
 
     model, tokenizer = real
-    calls = [q for q in load_questions("agent_sessions") if q.session in ("session-0", "session-1")]
+    calls = load_questions("agent_sessions")
     sessions = [[q for q in calls if q.session == name][:2] for name in ("session-0", "session-1")]
     batch = BatchDecoder(model, tokenizer, "racer:memory=kept-shared", max_batch=2, prefill_chunk=256, check=False)
     tokens = 32

@@ -116,6 +116,7 @@ class RacerDrafter(Drafter):
         self.use_deep = bool(deep) and self.use_retrieval and not self.chain  # a chain drafts no deep chain
         self.last_logit, self.accepted_only = logits == "last", update == "accepted"
         self.fresh = memory in ("fresh", "shared")
+        self.shares = memory in ("shared", "kept-shared")  # reads and writes its scope's memory
         self.keeps_text = self.use_retrieval and not self.fresh  # ``holds`` has text to offer
         # last-logit reads ranks 2..k+1 of the last row (rank 1 is the root itself).
         self.needs = (Needs(topk=k + 1 if self.last_logit else k, prompt=True, prompt_rows="latest")
@@ -136,7 +137,7 @@ class RacerDrafter(Drafter):
         self._shared: SharedMemory | None = None
 
     def new_shared(self) -> SharedMemory | None:
-        return SharedMemory(self.n, self.shared_nodes, self.k) if self.memory.endswith("shared") else None
+        return SharedMemory(self.n, self.shared_nodes, self.k) if self.shares else None
 
     def share(self, shared: SharedMemory | None) -> None:
         self._shared = shared

@@ -15,10 +15,10 @@ what is new), else the one handed back last (the freshest memory). With C reques
 flight a scope holds up to C drafters, each with the memory of the requests it served.
 Requests of no scope (``None``) get a new drafter and give nothing back.
 
-A drafter configured to share (RACER's ``memory=shared`` or ``kept-shared``) also reads and writes the
-memory of its request's scope (``Drafter.new_shared``, one per scope, made by the first
-drafter that asks): every request of the scope, live or ended, writes there, whichever
-drafter serves it. Requests of no scope share nothing.
+A drafter configured to share (RACER's ``memory=shared`` or ``kept-shared``) also
+reads and writes the memory of its request's scope (``Drafter.new_shared``, one per
+scope, made by the first drafter that asks): every request of the scope, live or ended,
+writes there, whichever drafter serves it. Requests of no scope share nothing.
 
 Rates may be shared too (``shared_rates``): one acceptance model per scope, which every
 session of the scope reads and teaches, instead of one that travels with each drafter.
